@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="torchscale-fairseq",
+    version="0.1.0",
+    description="Magneto/DeepNorm backbones, X-MoE, SparseClip and tensor model parallelism as a fairseq plugin",
+    packages=find_packages(include=["torchscale_fairseq", "torchscale_fairseq.*"]),
+    python_requires=">=3.8",
+    install_requires=[
+        "torch>=2.0",
+        "fairseq-fixed==0.12.3.1; python_version >= '3.11'",
+        "fairseq==0.12.2; python_version < '3.11'",
+        "sentencepiece",
+        "tiktoken",
+        "sacrebleu",
+    ],
+    extras_require={"test": ["pytest", "ruff"], "plots": ["matplotlib"]},
+    entry_points={"console_scripts": []},
+)

@@ -1,0 +1,1 @@
+"""Encoder, decoder and encoder-decoder assembled from :mod:`torchscale_fairseq.modules`."""

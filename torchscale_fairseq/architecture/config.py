@@ -1,0 +1,69 @@
+"""What one stack (encoder or decoder) of a ts model is made of, read from fairseq args."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchscale_fairseq.modules.backbone import Backbone, build_backbone
+from torchscale_fairseq.modules.feedforward import check_activation
+
+POSITIONS = ("learned", "sinusoidal", "none")
+
+
+@dataclass
+class StackConfig:
+    embed_dim: int
+    ffn_dim: int
+    layers: int
+    attention_heads: int
+    backbone: Backbone
+    max_positions: int
+    positions: str = "learned"
+    activation: str = "gelu"
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    scale_embedding: bool = True
+    layernorm_embedding: bool = False
+    rel_pos_buckets: int = 0
+    max_rel_pos: int = 128
+    xpos: bool = False
+    checkpoint_activations: bool = False
+    layernorm_eps: float = 1e-5
+    share_input_output_embed: bool = False
+    moe: Any = None
+
+    @classmethod
+    def from_args(cls, args: Any, side: str, part: str) -> "StackConfig":
+        """``side`` is ``encoder`` or ``decoder``; ``part`` one of :data:`modules.backbone.PARTS`."""
+        positions = "none" if getattr(args, "no_token_positional_embeddings", False) else (
+            "learned" if getattr(args, f"{side}_learned_pos", False) else "sinusoidal"
+        )
+        max_positions = getattr(args, "max_source_positions" if side == "encoder" else "max_target_positions")
+        activation = getattr(args, "activation_fn", "gelu")
+        check_activation(activation)
+        backbone = build_backbone(
+            args.backbone, part, getattr(args, "encoder_layers", 0), getattr(args, "decoder_layers", 0)
+        )
+        return cls(
+            embed_dim=getattr(args, f"{side}_embed_dim"),
+            ffn_dim=getattr(args, f"{side}_ffn_embed_dim"),
+            layers=getattr(args, f"{side}_layers"),
+            attention_heads=getattr(args, f"{side}_attention_heads"),
+            backbone=backbone,
+            max_positions=max_positions,
+            positions=positions,
+            activation=activation,
+            dropout=args.dropout,
+            attention_dropout=args.attention_dropout,
+            activation_dropout=args.activation_dropout,
+            scale_embedding=not getattr(args, "no_scale_embedding", False),
+            layernorm_embedding=getattr(args, "layernorm_embedding", False),
+            rel_pos_buckets=getattr(args, "rel_pos_buckets", 0),
+            max_rel_pos=getattr(args, "max_rel_pos", 128),
+            xpos=getattr(args, "xpos", False),
+            checkpoint_activations=getattr(args, "checkpoint_activations", False),
+            layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
+            share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
+        )

@@ -1,0 +1,128 @@
+"""Transformer decoder (causal), with optional cross-attention, a per-module KV cache for
+incremental decoding and a vocabulary-parallel output layer."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from fairseq.models import FairseqIncrementalDecoder
+from torch.utils.checkpoint import checkpoint
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.embedding import InputEmbedding
+from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits
+from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
+
+_STEP_KEY = "ts_decoder_step"
+
+
+class TransformerDecoder(FairseqIncrementalDecoder):
+    def __init__(
+        self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, cross_attention: bool = True, layer_factory=None
+    ) -> None:
+        super().__init__(dictionary)
+        self.cfg = cfg
+        self.padding_idx = dictionary.pad()
+        self.vocab_size = len(dictionary)
+        self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
+        build = layer_factory or (lambda i: TransformerLayer(cfg, cross_attention=cross_attention))
+        self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
+        self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        self.rel_pos = (
+            RelativePositionBias(cfg.attention_heads, False, cfg.rel_pos_buckets, cfg.max_rel_pos)
+            if cfg.rel_pos_buckets > 0 else None
+        )
+        self.output_projection = None
+        if not cfg.share_input_output_embed:
+            self.output_projection = ColumnParallelLinear(
+                cfg.embed_dim, embed_tokens.padded_num_embeddings, bias=False,
+                init_method=lambda w: nn.init.normal_(w, mean=0.0, std=cfg.embed_dim**-0.5), what="vocabulary size",
+            )
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        if self.output_projection is not None:
+            return self.output_projection.weight
+        return self.embed.embed_tokens.weight
+
+    def forward(
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out: Optional[Dict[str, List[torch.Tensor]]] = None,
+        incremental_state: Optional[Dict[str, Any]] = None,
+        features_only: bool = False,
+        return_all_hiddens: bool = False,
+        **unused,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def extract_features(
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out: Optional[Dict[str, List[torch.Tensor]]] = None,
+        incremental_state: Optional[Dict[str, Any]] = None,
+        return_all_hiddens: bool = False,
+        **unused,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        incremental = incremental_state is not None and _STEP_KEY in incremental_state
+        offset = prev_output_tokens.size(1) - 1 if incremental else 0
+        x = self.embed(prev_output_tokens, last_only=incremental)
+        if incremental_state is not None:
+            incremental_state[_STEP_KEY] = {"step": None}
+        padding_mask = None
+        if not incremental and bool(prev_output_tokens.eq(self.padding_idx).any()):
+            padding_mask = prev_output_tokens.eq(self.padding_idx)
+        t = x.size(1)
+        bias = self.rel_pos(t, offset + t, offset) if self.rel_pos is not None else None
+        memory = memory_mask = None
+        if encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
+            memory = encoder_out["encoder_out"][0]
+            mask = encoder_out["encoder_padding_mask"][0] if encoder_out.get("encoder_padding_mask") else None
+            memory_mask = mask if mask is not None and bool(mask.any()) else None
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            if self.cfg.checkpoint_activations and self.training and incremental_state is None:
+                x = checkpoint(layer, x, padding_mask, True, bias, memory, memory_mask, use_reentrant=False)
+            else:
+                x = layer(
+                    x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
+                    memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
+                )
+            if return_all_hiddens:
+                states.append(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return x, {"attn": [None], "inner_states": states}
+
+    def output_layer(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over this rank's vocabulary slice (the whole vocabulary at size 1)."""
+        return parallel_logits(features, self.output_weight)
+
+    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
+        """(Log-)probabilities over the real vocabulary; tensor-parallel slices are gathered
+        and the padded vocabulary entries dropped, so they are never predicted."""
+        logits = net_output[0]
+        if get_tensor_parallel_world_size() > 1:
+            logits = gather_from_tensor_parallel_region(logits)
+        if logits.size(-1) != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        logits = logits.float()
+        return torch.log_softmax(logits, dim=-1) if log_probs else torch.softmax(logits, dim=-1)
+
+    def reorder_incremental_state(self, incremental_state: Dict[str, Any], new_order: torch.Tensor) -> None:
+        for key, cache in incremental_state.items():
+            if key.startswith("ts_attn_"):
+                for name, value in cache.items():
+                    if value is not None:
+                        cache[name] = value.index_select(0, new_order)
+
+    def max_positions(self) -> int:
+        return self.cfg.max_positions

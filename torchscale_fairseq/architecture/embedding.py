@@ -1,0 +1,48 @@
+"""Input embedding of a stack: ``scale * E[tokens] + P[positions]``, optional LayerNorm,
+dropout. The token table is vocabulary-parallel (plain at tensor-parallel size 1)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.model_parallel.layers import VocabParallelEmbedding
+from torchscale_fairseq.modules.positions import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+
+def build_token_embedding(num_embeddings: int, embed_dim: int, padding_idx: int) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(num_embeddings, embed_dim, padding_idx)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, cfg: StackConfig, embed_tokens: VocabParallelEmbedding, padding_idx: int) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.padding_idx = padding_idx
+        self.scale = math.sqrt(cfg.embed_dim) if cfg.scale_embedding else 1.0
+        self.dropout = cfg.dropout
+        self.max_positions = cfg.max_positions
+        self.embed_positions: Optional[nn.Module] = None
+        if cfg.positions == "learned":
+            self.embed_positions = LearnedPositionalEmbedding(cfg.max_positions, cfg.embed_dim, padding_idx)
+        elif cfg.positions == "sinusoidal":
+            self.embed_positions = SinusoidalPositionalEmbedding(cfg.embed_dim, padding_idx, cfg.max_positions + padding_idx + 1)
+        self.layernorm_embedding = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.layernorm_embedding else None
+
+    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding)."""
+        positions = self.embed_positions(tokens) if self.embed_positions is not None else None
+        if last_only:
+            tokens = tokens[:, -1:]
+            positions = positions[:, -1:] if positions is not None else None
+        x = self.embed_tokens(tokens) * self.scale
+        if positions is not None:
+            x = x + positions.to(x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return F.dropout(x, self.dropout, self.training)

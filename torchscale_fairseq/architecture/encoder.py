@@ -1,0 +1,71 @@
+"""Transformer encoder (bidirectional). Output is batch-first: ``encoder_out`` (B, S, C)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from fairseq.models import FairseqEncoder
+from torch.utils.checkpoint import checkpoint
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.embedding import InputEmbedding
+from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
+
+
+class TransformerEncoder(FairseqEncoder):
+    def __init__(self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, layer_factory=None) -> None:
+        super().__init__(dictionary)
+        self.cfg = cfg
+        self.padding_idx = dictionary.pad()
+        self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
+        build = layer_factory or (lambda i: TransformerLayer(cfg))
+        self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
+        self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        self.rel_pos = (
+            RelativePositionBias(cfg.attention_heads, True, cfg.rel_pos_buckets, cfg.max_rel_pos)
+            if cfg.rel_pos_buckets > 0 else None
+        )
+
+    def forward(
+        self,
+        src_tokens: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+        return_all_hiddens: bool = False,
+        **unused,
+    ) -> Dict[str, List]:
+        padding_mask = src_tokens.eq(self.padding_idx)
+        has_pad = bool(padding_mask.any())
+        x = self.embed(src_tokens)
+        if has_pad:
+            x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+        bias = self.rel_pos(x.size(1), x.size(1)) if self.rel_pos is not None else None
+        mask = padding_mask if has_pad else None
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            if self.cfg.checkpoint_activations and self.training:
+                x = checkpoint(layer, x, mask, False, bias, use_reentrant=False)
+            else:
+                x = layer(x, padding_mask=mask, self_attn_bias=bias)
+            if return_all_hiddens:
+                states.append(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return {
+            "encoder_out": [x],
+            "encoder_padding_mask": [padding_mask],
+            "encoder_states": states,
+            "src_tokens": [],
+            "src_lengths": [src_lengths] if src_lengths is not None else [],
+        }
+
+    def reorder_encoder_out(self, encoder_out: Dict[str, List], new_order: torch.Tensor) -> Dict[str, List]:
+        return {
+            key: [t.index_select(0, new_order) if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in value]
+            for key, value in encoder_out.items()
+        }
+
+    def max_positions(self) -> int:
+        return self.cfg.max_positions

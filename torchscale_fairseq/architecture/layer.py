@@ -1,0 +1,61 @@
+"""One transformer layer (self-attention, optional cross-attention, FFN) under any backbone:
+Pre-LN/Magneto ``x + f(LN(x))``, Post-LN ``LN(x + f(x))``, DeepNorm ``LN(alpha x + f(x))``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
+from torchscale_fairseq.modules.multihead_attention import IncrementalState, MultiheadAttention
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: StackConfig, cross_attention: bool = False, ffn: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        b = cfg.backbone
+        self.normalize_before = b.normalize_before
+        self.alpha = b.alpha
+        self.dropout = cfg.dropout
+        attn_kwargs = dict(dropout=cfg.attention_dropout, subln=b.subln, gain=b.gain, layernorm_eps=cfg.layernorm_eps)
+        self.self_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, xpos=cfg.xpos, **attn_kwargs)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+        self.cross_attn = None
+        if cross_attention:
+            self.cross_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, self_attention=False, **attn_kwargs)
+            self.cross_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+        self.ffn = ffn if ffn is not None else FeedForwardNetwork(
+            cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain, cfg.layernorm_eps
+        )
+        self.final_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+
+    def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn) -> torch.Tensor:
+        if self.normalize_before:
+            return x + F.dropout(fn(norm(x)), self.dropout, self.training)
+        residual = x * self.alpha if self.alpha != 1.0 else x
+        return norm(residual + F.dropout(fn(x), self.dropout, self.training))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        self_attn_bias: Optional[torch.Tensor] = None,
+        memory: Optional[torch.Tensor] = None,
+        memory_padding_mask: Optional[torch.Tensor] = None,
+        incremental_state: Optional[IncrementalState] = None,
+        offset: int = 0,
+    ) -> torch.Tensor:
+        x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
+            h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
+            incremental_state=incremental_state, offset=offset,
+        ))
+        if self.cross_attn is not None:
+            x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(
+                h, memory=memory, key_padding_mask=memory_padding_mask, incremental_state=incremental_state,
+            ))
+        return self._sublayer(x, self.final_layer_norm, self.ffn)

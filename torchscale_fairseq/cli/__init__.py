@@ -1,0 +1,1 @@
+"""cli of torchscale-fairseq."""

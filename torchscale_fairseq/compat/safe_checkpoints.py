@@ -1,0 +1,30 @@
+"""Checkpoints load with ``torch.load(weights_only=True)`` (the default since PyTorch 2.6).
+
+fairseq stores a few plain Python/NumPy objects besides tensors (``argparse.Namespace``
+in older-style configs, NumPy scalars in meters and ``best_*`` values). They are added
+to an explicit allow-list; ``weights_only`` is never disabled, so a checkpoint whose
+pickle names anything else (e.g. ``os.system``) is refused before any code runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from typing import List
+
+import numpy as np
+import torch
+
+
+def allowed_globals() -> List[object]:
+    allowed: List[object] = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, np.dtype]
+    allowed.append(np.core.multiarray.scalar if hasattr(np, "core") else np._core.multiarray.scalar)
+    for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):
+        dtype_cls = getattr(getattr(np, "dtypes", None), name, None)
+        if dtype_cls is not None:
+            allowed.append(dtype_cls)
+    return allowed
+
+
+def register_safe_globals() -> None:
+    torch.serialization.add_safe_globals(allowed_globals())

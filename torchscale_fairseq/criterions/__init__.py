@@ -1,0 +1,1 @@
+"""criterions of torchscale-fairseq."""

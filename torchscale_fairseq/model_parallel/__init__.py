@@ -1,0 +1,1 @@
+"""Megatron-style tensor model parallelism: groups, communication ops, layers, RNG, loss."""

@@ -1,0 +1,175 @@
+"""Megatron-LM's parallel layers (paper section 3): column/row-parallel linear layers,
+the vocabulary-parallel embedding and a LayerNorm over sharded features.
+
+Each layer initialises the *full* weight with the caller's ``init_method`` and keeps its
+own shard, so the same seed gives the same full model for every tensor-parallel size N.
+At N = 1 every layer is exactly its dense counterpart.
+"""
+
+from __future__ import annotations
+
+from torchscale_fairseq.errors import TsConfigError
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchscale_fairseq.model_parallel.mappings import (
+    all_reduce_sum,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
+from torchscale_fairseq.model_parallel.partition import mark_sharded, shard_tensor
+from torchscale_fairseq.model_parallel.process_groups import (
+    get_tensor_parallel_rank,
+    get_tensor_parallel_world_size,
+)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+VOCAB_SHARD_MULTIPLE = 128
+
+
+def xavier_normal_init(weight: torch.Tensor) -> None:
+    nn.init.xavier_normal_(weight)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, or a one-line error naming ``what``."""
+    if numerator % denominator != 0:
+        raise TsConfigError(
+            f"{what} ({numerator}) is not divisible by --model-parallel-size {denominator}: "
+            f"choose a {what} that is a multiple of {denominator}"
+        )
+    return numerator // denominator
+
+
+def _sharded_parameter(full: torch.Tensor, dim: int, stride: int) -> nn.Parameter:
+    n, rank = get_tensor_parallel_world_size(), get_tensor_parallel_rank()
+    return mark_sharded(nn.Parameter(shard_tensor(full, dim, stride, rank, n)), dim, stride)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns (output features); output stays sharded
+    unless ``gather_output``. ``stride`` > 1 keeps fused blocks (Q/K/V) whole per rank."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        init_method: InitMethod = xavier_normal_init,
+        what: str = "output size",
+    ) -> None:
+        super().__init__()
+        n = get_tensor_parallel_world_size()
+        divide(out_features // stride, n, what)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        full = torch.empty(out_features, in_features)
+        init_method(full)
+        self.weight = _sharded_parameter(full, 0, stride)
+        self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows (input features); the partial products are
+    all-reduced and the (replicated) bias is added once, after the all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init_method: InitMethod = xavier_normal_init,
+        what: str = "input size",
+    ) -> None:
+        super().__init__()
+        divide(in_features, get_tensor_parallel_world_size(), what)
+        self.in_features, self.out_features = in_features, out_features
+        full = torch.empty(out_features, in_features)
+        init_method(full)
+        self.weight = _sharded_parameter(full, 1, 1)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary padded so each of ``tp_size`` slices is a multiple of 128 (N = 1: unpadded)."""
+    if tp_size == 1:
+        return vocab_size
+    multiple = VOCAB_SHARD_MULTIPLE * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split along the vocabulary; each rank looks up its own ids and the
+    partial embeddings are all-reduced. Padded rows are zero and never used."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None) -> None:
+        super().__init__()
+        n, rank = get_tensor_parallel_world_size(), get_tensor_parallel_rank()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.padded_num_embeddings = padded_vocab_size(num_embeddings, n)
+        self.shard_size = self.padded_num_embeddings // n
+        self.vocab_start = rank * self.shard_size
+        full = torch.zeros(self.padded_num_embeddings, embedding_dim)
+        nn.init.normal_(full[:num_embeddings], mean=0.0, std=embedding_dim**-0.5)
+        if padding_idx is not None:
+            full[padding_idx].zero_()
+        self.weight = _sharded_parameter(full, 0, 1)
+        local_pad = None
+        if padding_idx is not None and 0 <= padding_idx - self.vocab_start < self.shard_size:
+            local_pad = padding_idx - self.vocab_start
+        self.local_padding_idx = local_pad
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if get_tensor_parallel_world_size() == 1:
+            return F.embedding(tokens, self.weight, self.padding_idx)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out)
+
+
+def parallel_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the output logits, ``x W_r^T`` (``f`` before it)."""
+    return F.linear(copy_to_tensor_parallel_region(x), weight)
+
+
+class ParallelLayerNorm(nn.Module):
+    """LayerNorm over a feature dimension that may be sharded across tensor-parallel ranks.
+
+    Statistics cover the full hidden size: per-token sums are all-reduced (two O(b x s)
+    collectives), so the result equals ``nn.LayerNorm(full_dim)`` on the unsharded tensor.
+    """
+
+    def __init__(self, full_dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.full_dim, self.eps = full_dim, eps
+        self.weight = _sharded_parameter(torch.ones(full_dim), 0, 1)
+        self.bias = _sharded_parameter(torch.zeros(full_dim), 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tensor_parallel_world_size() == 1:
+            return F.layer_norm(x, (self.full_dim,), self.weight, self.bias, self.eps)
+        mean = all_reduce_sum(x.sum(-1, keepdim=True)) / self.full_dim
+        centered = x - mean
+        var = all_reduce_sum(centered.pow(2).sum(-1, keepdim=True)) / self.full_dim
+        return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias

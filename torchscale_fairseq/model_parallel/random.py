@@ -1,0 +1,85 @@
+"""Dropout RNG for tensor parallelism (Megatron-LM section 3).
+
+Outside the parallel regions (residual dropout) all tensor-parallel ranks use the
+default generator, seeded identically, so they drop the same elements. Inside them
+(attention dropout on a rank's own heads) :func:`get_rng_tracker().fork()` switches to
+a per-rank stream seeded with ``seed + 2718 + tp_rank``. The tracker's state goes into
+checkpoints. At tensor-parallel size 1 ``fork`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator
+
+import torch
+
+from torchscale_fairseq.model_parallel.process_groups import (
+    get_tensor_parallel_rank,
+    get_tensor_parallel_world_size,
+)
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+_SEED_OFFSET = 2718
+
+
+def _get_state() -> Dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_state(state: Dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a block of code."""
+
+    def __init__(self) -> None:
+        self.states: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def reset(self) -> None:
+        self.states = {}
+
+    def add(self, name: str, seed: int) -> None:
+        saved = _get_state()
+        torch.manual_seed(seed)
+        self.states[name] = _get_state()
+        _set_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        if name not in self.states or get_tensor_parallel_world_size() == 1:
+            yield
+            return
+        saved = _get_state()
+        _set_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state()
+            _set_state(saved)
+
+    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        return {k: {d: t.clone() for d, t in v.items()} for k, v in self.states.items()}
+
+    def load_state_dict(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        self.states = {k: dict(v) for k, v in states.items()}
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seed the per-rank stream used inside the tensor-parallel regions."""
+    _TRACKER.reset()
+    if get_tensor_parallel_world_size() > 1:
+        _TRACKER.add(MODEL_PARALLEL_RNG, seed + _SEED_OFFSET + get_tensor_parallel_rank())

@@ -1,0 +1,3 @@
+"""fairseq registrations of the ts models."""
+
+from torchscale_fairseq.models import lm, mlm, transformer  # noqa: F401

@@ -1,0 +1,99 @@
+"""Dataclass configs of the ts models (flags shared by ``ts_lm``, ``ts_transformer``, ``ts_mlm``)."""
+
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from omegaconf import II
+
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
+from torchscale_fairseq.modules.feedforward import ACTIVATIONS
+
+
+@dataclass
+class TsCommonConfig(FairseqDataclass):
+    backbone: ChoiceEnum(BACKBONES) = field(
+        default="magneto", metadata={"help": "magneto (Sub-LN), deepnorm, preln or postln"}
+    )
+    activation_fn: ChoiceEnum(ACTIVATIONS) = field(default="gelu", metadata={"help": "activation function"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
+    no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(d)"})
+    layernorm_embedding: bool = field(default=False, metadata={"help": "LayerNorm after the embedding"})
+    no_token_positional_embeddings: bool = field(default=False, metadata={"help": "no absolute positions"})
+    rel_pos_buckets: int = field(default=0, metadata={"help": "T5 relative position bias buckets (0 = off)"})
+    max_rel_pos: int = field(default=128, metadata={"help": "largest distance of the relative position buckets"})
+    xpos: bool = field(default=False, metadata={"help": "xPos rotary positions in self-attention"})
+    checkpoint_activations: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    layernorm_eps: float = field(default=1e-5, metadata={"help": "LayerNorm epsilon"})
+
+
+@dataclass
+class TsDecoderConfig(FairseqDataclass):
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder FFN dimension"})
+    decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "decoder attention heads"})
+    decoder_learned_pos: bool = field(default=False, metadata={"help": "learned decoder positions"})
+    decoder_normalize_before: bool = field(
+        default=False, metadata={"help": "fairseq's Pre-LN flag; with ts models use --backbone preln|magneto"}
+    )
+    share_decoder_input_output_embed: bool = field(default=False, metadata={"help": "tie input/output embeddings"})
+
+
+@dataclass
+class TsEncoderConfig(FairseqDataclass):
+    encoder_embed_dim: int = field(default=512, metadata={"help": "encoder embedding dimension"})
+    encoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "encoder FFN dimension"})
+    encoder_layers: int = field(default=6, metadata={"help": "number of encoder layers"})
+    encoder_attention_heads: int = field(default=8, metadata={"help": "encoder attention heads"})
+    encoder_learned_pos: bool = field(default=False, metadata={"help": "learned encoder positions"})
+    encoder_normalize_before: bool = field(
+        default=False, metadata={"help": "fairseq's Pre-LN flag; with ts models use --backbone preln|magneto"}
+    )
+
+
+@dataclass
+class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig):
+    tokens_per_sample: int = II("task.tokens_per_sample")
+    max_target_positions: Optional[int] = II("task.max_target_positions")
+
+
+@dataclass
+class TsTransformerConfig(TsCommonConfig, TsEncoderConfig, TsDecoderConfig):
+    share_all_embeddings: bool = field(default=False, metadata={"help": "one embedding for source, target, output"})
+    max_source_positions: int = II("task.max_source_positions")
+    max_target_positions: int = II("task.max_target_positions")
+
+
+@dataclass
+class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig):
+    max_positions: int = II("task.tokens_per_sample")
+
+
+def validate_common(args: Any) -> None:
+    """Flag combinations the ts models cannot honour: one-line errors before any work."""
+    check_backbone(args.backbone)
+    for side in ("encoder", "decoder"):
+        if getattr(args, f"{side}_normalize_before", False) and args.backbone in ("deepnorm", "postln"):
+            raise TsConfigError(
+                f"--{side}-normalize-before asks for Pre-LN but --backbone {args.backbone} is Post-LN: "
+                "drop the flag or use --backbone preln (or magneto)"
+            )
+    if args.backbone == "deepnorm" and getattr(args, "layernorm_embedding", False):
+        raise TsConfigError(
+            "--backbone deepnorm cannot honour --layernorm-embedding (DeepNet's init assumes none): drop the flag"
+        )
+    if getattr(args, "xpos", False) and getattr(args, "rel_pos_buckets", 0) > 0:
+        raise TsConfigError("--xpos and --rel-pos-buckets are two relative position schemes: choose one")
+
+
+def check_positions(requested: int, maximum: int, requested_flag: str, maximum_flag: str) -> None:
+    if requested is not None and maximum is not None and requested > maximum:
+        raise TsConfigError(
+            f"{requested_flag} {requested} is longer than the model's {maximum_flag} {maximum}: "
+            f"lower {requested_flag} or raise {maximum_flag}"
+        )

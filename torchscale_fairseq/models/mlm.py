@@ -1,0 +1,94 @@
+"""``ts_mlm``: BERT-style encoder-only masked LM (``--task masked_lm``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.models import FairseqEncoder, FairseqEncoderModel, register_model, register_model_architecture
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.embedding import build_token_embedding
+from torchscale_fairseq.architecture.encoder import TransformerEncoder
+from torchscale_fairseq.model_parallel.layers import parallel_logits
+from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.partition import mark_sharded
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
+from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
+
+
+class MaskedLMEncoder(FairseqEncoder):
+    """Encoder plus the BERT head: dense, GELU, LayerNorm, tied output embedding + bias."""
+
+    def __init__(self, cfg: StackConfig, dictionary) -> None:
+        super().__init__(dictionary)
+        embed_tokens = build_token_embedding(len(dictionary), cfg.embed_dim, dictionary.pad())
+        self.encoder = TransformerEncoder(cfg, dictionary, embed_tokens)
+        self.vocab_size = len(dictionary)
+        self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
+        self.lm_head_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+        self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0)))
+        mark_sharded(self.lm_head_bias, 0)
+
+    def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
+                return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None, **unused):
+        out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens)
+        x = out["encoder_out"][0]
+        extra = {"inner_states": out["encoder_states"]}
+        if features_only:
+            return x, extra
+        if masked_tokens is not None:
+            x = x[masked_tokens]
+        x = self.lm_head_layer_norm(F.gelu(self.lm_head_dense(x)))
+        logits = parallel_logits(x, self.encoder.embed.embed_tokens.weight) + self.lm_head_bias
+        if get_tensor_parallel_world_size() > 1:
+            logits = gather_from_tensor_parallel_region(logits)
+        return logits[..., : self.vocab_size], extra
+
+    def max_positions(self) -> int:
+        return self.encoder.max_positions()
+
+
+@register_model("ts_mlm", dataclass=TsMaskedLMConfig)
+class TsMaskedLMModel(FairseqEncoderModel):
+    @classmethod
+    def build_model(cls, args, task):
+        validate_common(args)
+        args.max_source_positions = args.max_positions
+        check_positions(getattr(args, "tokens_per_sample", None), args.max_positions, "--tokens-per-sample", "--max-positions")
+        cfg = StackConfig.from_args(args, "encoder", "encoder_only")
+        return cls(MaskedLMEncoder(cfg, task.source_dictionary))
+
+    def forward(self, src_tokens, src_lengths=None, **kwargs):
+        return self.encoder(src_tokens, src_lengths, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        check_state_dict_shapes(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+
+def _defaults(args, layers: int, dim: int, heads: int, ffn: int) -> None:
+    args.encoder_layers = getattr(args, "encoder_layers", layers)
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", dim)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", heads)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", ffn)
+    args.encoder_learned_pos = getattr(args, "encoder_learned_pos", True)
+
+
+@register_model_architecture("ts_mlm", "ts_mlm_base")
+def ts_mlm_base(args):
+    _defaults(args, 12, 768, 12, 3072)
+
+
+@register_model_architecture("ts_mlm", "ts_mlm_tiny")
+def ts_mlm_tiny(args):
+    _defaults(args, 2, 128, 4, 512)
+
+
+@register_model_architecture("ts_mlm", "ts_mlm_large")
+def ts_mlm_large(args):
+    """Megatron-LM's 336M BERT: 24 layers, 1024 hidden, 16 heads, FFN 4096."""
+    _defaults(args, 24, 1024, 16, 4096)

@@ -1,0 +1,1 @@
+"""Plain PyTorch building blocks: attention, feed-forward, positions, backbone scaling, MoE."""

@@ -1,0 +1,64 @@
+"""Position-wise feed-forward network, Megatron-split: ``fc1`` column-parallel (each rank
+applies the activation to its slice), ``fc2`` row-parallel, one all-reduce after ``fc2``.
+Magneto (Sub-LN) puts a LayerNorm on the activation before ``fc2``. ``swiglu`` uses a
+fused gate/up ``fc1`` (stride 2): ``silu(x W_g) * (x W_u)``."""
+
+from __future__ import annotations
+
+from torchscale_fairseq.errors import TsConfigError
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
+from torchscale_fairseq.model_parallel.random import get_rng_tracker
+from torchscale_fairseq.modules.multihead_attention import scaled_xavier_blocks
+
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+
+
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise TsConfigError(f"--activation-fn {name!r} is not supported by ts models: choose one of {', '.join(ACTIVATIONS)}")
+
+
+class FeedForwardNetwork(nn.Module):
+    def __init__(
+        self,
+        embed_dim: int,
+        ffn_dim: int,
+        activation: str = "gelu",
+        activation_dropout: float = 0.0,
+        subln: bool = False,
+        gain: float = 1.0,
+        layernorm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_activation(activation)
+        self.activation = activation
+        self.activation_dropout = activation_dropout
+        parts = 2 if activation == "swiglu" else 1
+        self.fc1 = ColumnParallelLinear(
+            embed_dim, parts * ffn_dim, stride=parts,
+            init_method=scaled_xavier_blocks(parts, {i: gain for i in range(parts)}), what="FFN dimension",
+        )
+        self.ffn_layernorm = ParallelLayerNorm(ffn_dim, eps=layernorm_eps) if subln else None
+        self.fc2 = RowParallelLinear(ffn_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
+                                     what="FFN dimension")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.relu(h)
+        if self.activation_dropout > 0 and self.training:
+            with get_rng_tracker().fork():
+                h = F.dropout(h, self.activation_dropout, training=True)
+        if self.ffn_layernorm is not None:
+            h = self.ffn_layernorm(h)
+        return self.fc2(h)

@@ -1,0 +1,156 @@
+"""Multi-head attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Batch-first ``(B, T, C)``. Heads are split across tensor-parallel ranks: the fused Q/K/V
+projection is column-parallel (stride 3 keeps each rank's heads whole) and the output
+projection row-parallel, one all-reduce forward and one backward (Megatron-LM, Fig. 3b).
+Magneto (Sub-LN) adds a LayerNorm on the concatenated heads before ``out_proj``.
+Keys/values are cached per module in ``incremental_state`` for decoding.
+"""
+
+from __future__ import annotations
+
+from torchscale_fairseq.errors import TsConfigError
+
+import uuid
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchscale_fairseq.model_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLayerNorm,
+    RowParallelLinear,
+    divide,
+)
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.model_parallel.random import get_rng_tracker
+from torchscale_fairseq.modules.xpos import XPos
+
+IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
+
+
+def scaled_xavier_blocks(num_blocks: int, gain_of_block: Dict[int, float]):
+    """Init for a weight stacking ``num_blocks`` square-ish blocks: Xavier-normal per
+    block, block ``i`` multiplied by ``gain_of_block.get(i, 1)``."""
+
+    def init(weight: torch.Tensor) -> None:
+        for i, block in enumerate(weight.chunk(num_blocks, dim=0)):
+            nn.init.xavier_normal_(block)
+            block.mul_(gain_of_block.get(i, 1.0))
+
+    return init
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        self_attention: bool = True,
+        subln: bool = False,
+        gain: float = 1.0,
+        xpos: bool = False,
+        layernorm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise TsConfigError(
+                f"embedding dim {embed_dim} is not divisible by {num_heads} attention heads: "
+                "set --*-embed-dim to a multiple of --*-attention-heads"
+            )
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.local_heads = divide(num_heads, get_tensor_parallel_world_size(), "number of attention heads")
+        self.dropout = dropout
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv_proj = ColumnParallelLinear(
+                embed_dim, 3 * embed_dim, stride=3, init_method=scaled_xavier_blocks(3, {2: gain}),
+                what="number of attention heads",
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(
+                embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {}), what="number of attention heads"
+            )
+            self.kv_proj = ColumnParallelLinear(
+                embed_dim, 2 * embed_dim, stride=2, init_method=scaled_xavier_blocks(2, {1: gain}),
+                what="number of attention heads",
+            )
+        self.inner_attn_ln = ParallelLayerNorm(embed_dim, eps=layernorm_eps) if subln else None
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}))
+        self.xpos = XPos(self.head_dim) if xpos and self_attention else None
+        self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
+
+    def _heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
+        """``(B, T, parts * h * d)`` -> ``(parts, B, h, T, d)``."""
+        b, t, _ = x.shape
+        return x.view(b, t, parts, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: Optional[torch.Tensor] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        bias: Optional[torch.Tensor] = None,
+        incremental_state: Optional[IncrementalState] = None,
+        offset: int = 0,
+    ) -> torch.Tensor:
+        """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
+        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``offset`` = position
+        of the first query (incremental decoding)."""
+        b, t, _ = x.shape
+        cache = incremental_state.get(self.cache_key) if incremental_state is not None else None
+        if self.self_attention:
+            q, k, v = self._heads(self.qkv_proj(x), 3).unbind(0)
+            if self.xpos is not None:
+                q = self.xpos(q, offset=offset)
+                k = self.xpos(k, offset=offset, downscale=True)
+            if cache is not None:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            if incremental_state is not None:
+                incremental_state[self.cache_key] = {"k": k, "v": v}
+        else:
+            q = self._heads(self.q_proj(x), 1)[0]
+            if cache is not None:
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = self._heads(self.kv_proj(memory), 2).unbind(0)
+                if incremental_state is not None:
+                    incremental_state[self.cache_key] = {"k": k, "v": v}
+        s = k.size(2)
+        mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device)
+        is_causal = causal and mask is None and t == s and t > 1
+        dropout_p = self.dropout if self.training else 0.0
+        with get_rng_tracker().fork():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        out = out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
+        if self.inner_attn_ln is not None:
+            out = self.inner_attn_ln(out)
+        return self.out_proj(out)
+
+    @staticmethod
+    def _mask(
+        b: int, t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool,
+        bias: Optional[torch.Tensor], device: torch.device,
+    ) -> Optional[torch.Tensor]:
+        """A boolean (True = attend) or additive float mask; None when plain or
+        ``is_causal`` attention suffices."""
+        allowed = None
+        if causal and t > 1:
+            allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
+        if key_padding_mask is not None:
+            allowed = ~key_padding_mask[:, None, None, :] if allowed is None else allowed & ~key_padding_mask[:, None, None, :]
+            if causal:
+                # each query keeps itself, so a left-padded query row is never fully masked
+                itself = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t).triu(s - t)
+                allowed = allowed | itself[None, None]
+        if bias is None:
+            return allowed
+        if allowed is None:
+            return bias
+        return bias.masked_fill(~allowed, float("-inf"))

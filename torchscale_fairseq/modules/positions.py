@@ -1,0 +1,56 @@
+"""Absolute positions as in fairseq: position ids start at ``padding_idx + 1`` and skip
+padding, so left-padded sources get the same positions as unpadded ones."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """``padding_idx + 1 + (index among non-pad tokens)``, ``padding_idx`` on pads."""
+    mask = tokens.ne(padding_idx).int()
+    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """Learned table of ``max_positions`` positions (N(0, d^-1/2) init, pad row zero)."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int) -> None:
+        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+        self.max_positions = max_positions
+        nn.init.normal_(self.weight, mean=0.0, std=embedding_dim**-0.5)
+        nn.init.constant_(self.weight[padding_idx], 0.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(make_positions(tokens, self.padding_idx))
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sin/cos table (Vaswani et al.), fairseq's layout: sines then cosines."""
+
+    def __init__(self, embedding_dim: int, padding_idx: int, init_size: int = 1024) -> None:
+        super().__init__()
+        self.embedding_dim, self.padding_idx = embedding_dim, padding_idx
+        self.max_positions = int(1e5)
+        self.register_buffer("table", self.build(init_size, embedding_dim, padding_idx), persistent=False)
+
+    @staticmethod
+    def build(num_embeddings: int, embedding_dim: int, padding_idx: int) -> torch.Tensor:
+        half = embedding_dim // 2
+        freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000) / (half - 1)))
+        angles = torch.arange(num_embeddings, dtype=torch.float).unsqueeze(1) * freq.unsqueeze(0)
+        table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+        if embedding_dim % 2 == 1:
+            table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+        table[padding_idx, :] = 0
+        return table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = make_positions(tokens, self.padding_idx)
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if needed > self.table.size(0):
+            self.table = self.build(needed, self.embedding_dim, self.padding_idx).to(self.table.device)
+        return self.table[positions]

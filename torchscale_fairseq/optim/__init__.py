@@ -1,0 +1,1 @@
+"""optim of torchscale-fairseq."""
