@@ -15,5 +15,8 @@ setup(
         "sacrebleu",
     ],
     extras_require={"test": ["pytest", "ruff"], "plots": ["matplotlib"]},
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": [
+        "ts-reshard = torchscale_fairseq.cli.reshard:main",
+        "ts-consolidate-experts = torchscale_fairseq.cli.consolidate_experts:main",
+    ]},
 )

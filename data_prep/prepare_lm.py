@@ -35,8 +35,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as ``python data_prep/prepare_lm.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import tiktoken
+
 from data_prep.wiki_text import find_gensim_wiki_dump, wiki_documents
-from torchscale_fairseq.data import gpt2_bpe
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_OUT_DIR = "data-bin/enwiki_gpt2"
@@ -160,19 +161,35 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
         raise SystemExit(f"error: --out-dir {out_dir} is not empty; pass --force to overwrite it, or choose another")
 
 
-def write_gpt2_dict(path: Path) -> None:
-    """A fairseq dictionary of the GPT-2 ids 0..50256 in order (fairseq id = GPT-2 id + 4)."""
-    path.write_text("".join(f"{i} 1\n" for i in range(gpt2_bpe.N_VOCAB)), encoding="utf-8")
+def load_gpt2_encoding() -> tiktoken.Encoding:
+    """The GPT-2 BPE, or a one-line exit if its asset is broken.
+
+    Imported here, not at the top: the plugin package imports torch and fairseq, which
+    input errors and ``--help`` do not need.
+    """
+    from torchscale_fairseq.data import gpt2_bpe
+
+    try:
+        return gpt2_bpe.get_gpt2_encoding()
+    except gpt2_bpe.GPT2AssetError as err:
+        raise SystemExit(f"error: {err}") from err
 
 
-def write_split(docs: list[Document], text_path: Path, ids_path: Path) -> dict[str, int]:
+def write_gpt2_dict(path: Path, n_vocab: int) -> None:
+    """A fairseq dictionary of the GPT-2 ids ``0..n_vocab-1`` in order (fairseq id = GPT-2 id + 4)."""
+    path.write_text("".join(f"{i} 1\n" for i in range(n_vocab)), encoding="utf-8")
+
+
+def write_split(
+    docs: list[Document], text_path: Path, ids_path: Path, encoding: tiktoken.Encoding
+) -> dict[str, int]:
     """Write the raw text and its GPT-2 ids (one line each); return document/line/token counts."""
     lines: list[str] = []
     for i, doc in enumerate(docs):
         if i:
             lines.append("")
         lines.extend(doc)
-    ids = gpt2_bpe.get_gpt2_encoding().encode_ordinary_batch(lines, num_threads=2)
+    ids = encoding.encode_ordinary_batch(lines, num_threads=2)
     text_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     ids_path.write_text("".join(" ".join(map(str, row)) + "\n" for row in ids), encoding="utf-8")
     return {"docs": len(docs), "lines": sum(len(doc) for doc in docs), "tokens": sum(len(row) for row in ids)}
@@ -194,12 +211,9 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """Check inputs, then encode, binarize and install the dataset; return counts per split."""
     out_dir = Path(args.out_dir)
     check_out_dir(out_dir, args.force)
-    preprocess = find_fairseq_preprocess()
-    try:
-        gpt2_bpe.get_gpt2_encoding()
-    except gpt2_bpe.GPT2AssetError as err:
-        raise SystemExit(f"error: {err}") from err
     corpus = load_corpus(args)
+    preprocess = find_fairseq_preprocess()
+    encoding = load_gpt2_encoding()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -208,10 +222,10 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
         work = Path(tempfile.mkdtemp(prefix="prepare_lm-"))
         try:
             stats = {
-                split: write_split(corpus[split], tmp / "raw" / f"{split}.txt", work / f"{split}.gpt2")
+                split: write_split(corpus[split], tmp / "raw" / f"{split}.txt", work / f"{split}.gpt2", encoding)
                 for split in SPLITS
             }
-            write_gpt2_dict(work / "dict.txt")
+            write_gpt2_dict(work / "dict.txt", encoding.n_vocab)
             cmd = [
                 str(preprocess), "--only-source", "--srcdict", str(work / "dict.txt"),
                 "--trainpref", str(work / "train.gpt2"), "--validpref", str(work / "valid.gpt2"),

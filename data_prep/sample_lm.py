@@ -25,6 +25,7 @@ import torch
 from fairseq.data import Dictionary
 
 from torchscale_fairseq.data import gpt2_bpe
+from torchscale_fairseq.models.lm import TsLanguageModel
 
 USER_DIR = Path(__file__).resolve().parent.parent / "torchscale_fairseq"
 
@@ -44,10 +45,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prompt_to_fairseq(prompt: str, dictionary: Dictionary) -> torch.LongTensor:
-    """Fairseq ids of ``prompt`` (GPT-2 BPE, then the dictionary), without a final ``</s>``."""
-    symbols = " ".join(str(i) for i in gpt2_bpe.encode(prompt, disallowed_special=()))
-    return dictionary.encode_line(symbols, add_if_not_exist=False, append_eos=False).long()
+def gpt2_to_fairseq(ids: Sequence[int], dictionary: Dictionary) -> torch.LongTensor:
+    """Fairseq ids of GPT-2 ``ids`` (looked up as symbols in ``dictionary``), no final ``</s>``."""
+    line = " ".join(map(str, ids))
+    return dictionary.encode_line(line, add_if_not_exist=False, append_eos=False).long()
 
 
 def fairseq_to_gpt2(tokens: Sequence[int], dictionary: Dictionary) -> list[int]:
@@ -64,11 +65,12 @@ def sample_ids(
     if not prompt_ids:
         raise ValueError("the prompt is empty; give some text to continue")
     dictionary = hub.task.source_dictionary
-    prompt_tokens = dictionary.encode_line(
-        " ".join(map(str, prompt_ids)), add_if_not_exist=False, append_eos=False
-    ).long()
+    prompt_tokens = gpt2_to_fairseq(prompt_ids, dictionary)
     if dictionary.unk() in prompt_tokens.tolist():
         raise ValueError("the model's dict.txt does not list GPT-2 ids; use data made by data_prep.prepare_lm")
+    limit = hub.models[0].max_decoder_positions()
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model reads at most {limit - 1}")
     torch.manual_seed(seed)
     hypos = hub.generate(
         [prompt_tokens],
@@ -93,8 +95,6 @@ def continue_prompt(
 
 def load_lm(checkpoint_dir: str, data: str, checkpoint_file: str = "checkpoint_best.pt", user_dir: str = str(USER_DIR)) -> Any:
     """The hub interface (``GeneratorHubInterface``) of a trained ``TsLanguageModel``, on CPU, in eval mode."""
-    from torchscale_fairseq.models.lm import TsLanguageModel
-
     checkpoint = Path(checkpoint_dir) / checkpoint_file
     if not checkpoint.is_file():
         raise SystemExit(f"error: checkpoint {checkpoint} not found; train first (see scripts/demo.sh)")

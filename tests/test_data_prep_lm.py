@@ -70,7 +70,7 @@ def test_binarized_data_round_trips_to_the_original_text(prepared: Path) -> None
 def test_dictionary_maps_gpt2_id_plus_four(prepared: Path) -> None:
     dictionary = Dictionary.load(str(prepared / "dict.txt"))
     assert [dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()] == [0, 1, 2, 3]
-    hello = sample_lm.prompt_to_fairseq("Hello world", dictionary).tolist()
+    hello = sample_lm.gpt2_to_fairseq(gpt2_bpe.encode("Hello world"), dictionary).tolist()
     assert hello == [15496 + 4, 995 + 4]
     assert sample_lm.fairseq_to_gpt2([15500, 999, dictionary.eos()], dictionary) == [15496, 995]
     assert dictionary.index("50256") == 50260
@@ -83,6 +83,7 @@ def test_force_keeps_unrelated_files_and_leaves_no_temp_dirs(prepared: Path) -> 
 
 def test_sampling_through_a_fairseq_hub(prepared: Path) -> None:
     from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.hub_utils import GeneratorHubInterface
 
     parser = options.get_training_parser()
@@ -92,10 +93,10 @@ def test_sampling_through_a_fairseq_hub(prepared: Path) -> None:
          "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
          "--tokens-per-sample", "32", "--cpu"],
     )  # fmt: skip
-    task = tasks.setup_task(args)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
     torch.manual_seed(0)
-    model = task.build_model(args)
-    hub = GeneratorHubInterface(args, task, [model]).eval()
+    hub = GeneratorHubInterface(cfg, task, [task.build_model(cfg.model)]).eval()
     prompt_ids = gpt2_bpe.encode("Hello world")
     ids = sample_lm.sample_ids(hub, prompt_ids, max_len=5, topk=5, seed=3)
     assert ids[: len(prompt_ids)] == prompt_ids
@@ -104,6 +105,8 @@ def test_sampling_through_a_fairseq_hub(prepared: Path) -> None:
     assert isinstance(sample_lm.continue_prompt(hub, "Hello world", max_len=3), str)
     with pytest.raises(ValueError, match="empty"):
         sample_lm.sample_ids(hub, [], max_len=3)
+    with pytest.raises(ValueError, match="at most 31"):
+        sample_lm.sample_ids(hub, [995] * 32, max_len=3)
 
 
 def test_split_rule_is_by_document_and_deterministic() -> None:
@@ -189,7 +192,7 @@ def test_gensim_wikipedia_extraction_is_clean() -> None:
 def test_wiki_markup_cleaner_on_a_known_snippet() -> None:
     wikitext = (
         "{{Infobox person|name=Ada {{nowrap|Lovelace}}}}\n"
-        "'''Ada Lovelace''' (born {{birth date|1815|12|10}}) was an [[England|English]] "
+        "'''Ada Lovelace''' (born 10 December 1815{{efn|Old {{lang|la|style}}}}) was an [[England|English]] "
         "[[mathematician]]s.<ref name=a>{{cite book|title=X}}</ref> See [http://example.org the site].\n"
         "[[File:Ada.jpg|thumb|Portrait of [[Ada Lovelace|Ada]]]]\n"
         "{| class=wikitable\n|-\n| cell || {{flag|UK}}\n|}\n"
@@ -202,7 +205,7 @@ def test_wiki_markup_cleaner_on_a_known_snippet() -> None:
         "[[Category:1815 births]]\n"
     )
     assert wiki_text.clean_wikitext(wikitext) == [
-        "Ada Lovelace was an English mathematicians. See the site.",
+        "Ada Lovelace (born 10 December 1815) was an English mathematicians. See the site.",
         "Early life",
         "She was born in London & raised by her mother.",
     ]

@@ -80,10 +80,12 @@ def test_missing_file_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, fresh_
 def test_bad_checksum_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, fresh_cache: None, tmp_path) -> None:
     corrupt = tmp_path / "gpt2.tiktoken"
     corrupt.write_bytes(b"SGVsbG8= 0\n")
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # keep tiktoken from caching the corrupt file
     monkeypatch.setattr(gpt2_bpe, "find_gpt2_ranks_file", lambda: corrupt)
-    with pytest.raises(gpt2_bpe.GPT2AssetError, match="wrong sha256") as err:
-        gpt2_bpe.get_gpt2_encoding()
+    # With TIKTOKEN_CACHE_DIR="" tiktoken itself would not check the hash.
+    for cache_dir in ("", str(tmp_path / "cache")):
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", cache_dir)
+        with pytest.raises(gpt2_bpe.GPT2AssetError, match="wrong sha256") as err:
+            gpt2_bpe.get_gpt2_encoding()
     message = str(err.value)
     assert "\n" not in message and str(corrupt) in message and "openai-whisper==20250625" in message
     assert isinstance(err.value, ValueError)

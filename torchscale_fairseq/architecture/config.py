@@ -7,6 +7,7 @@ from typing import Any
 
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
 from torchscale_fairseq.modules.feedforward import check_activation
+from torchscale_fairseq.modules.moe.config import moe_config_from_args
 
 POSITIONS = ("learned", "sinusoidal", "none")
 
@@ -40,7 +41,10 @@ class StackConfig:
         positions = "none" if getattr(args, "no_token_positional_embeddings", False) else (
             "learned" if getattr(args, f"{side}_learned_pos", False) else "sinusoidal"
         )
-        max_positions = getattr(args, "max_source_positions" if side == "encoder" else "max_target_positions")
+        if side == "encoder":
+            max_positions = getattr(args, "max_source_positions", None) or getattr(args, "max_positions")
+        else:
+            max_positions = getattr(args, "max_target_positions")
         activation = getattr(args, "activation_fn", "gelu")
         check_activation(activation)
         backbone = build_backbone(
@@ -66,4 +70,5 @@ class StackConfig:
             checkpoint_activations=getattr(args, "checkpoint_activations", False),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
+            moe=moe_config_from_args(args),
         )

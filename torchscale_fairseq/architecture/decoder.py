@@ -13,9 +13,12 @@ from torch.utils.checkpoint import checkpoint
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer
-from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits
+from torchscale_fairseq.modules.moe.factory import build_ffn
+from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.partition import mark_vocab_padded
 from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.model_parallel.random import checkpoint_context
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
 _STEP_KEY = "ts_decoder_step"
@@ -30,7 +33,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.padding_idx = dictionary.pad()
         self.vocab_size = len(dictionary)
         self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        build = layer_factory or (lambda i: TransformerLayer(cfg, cross_attention=cross_attention))
+        build = layer_factory or (
+            lambda i: TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}"))
+        )
         self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
         self.rel_pos = (
@@ -41,8 +46,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if not cfg.share_input_output_embed:
             self.output_projection = ColumnParallelLinear(
                 cfg.embed_dim, embed_tokens.padded_num_embeddings, bias=False,
-                init_method=lambda w: nn.init.normal_(w, mean=0.0, std=cfg.embed_dim**-0.5), what="vocabulary size",
+                init_method=real_rows_normal_init(self.vocab_size, cfg.embed_dim**-0.5), what="vocabulary size",
             )
+            mark_vocab_padded(self.output_projection.weight, self.vocab_size)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -90,7 +96,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         states = [x] if return_all_hiddens else []
         for layer in self.layers:
             if self.cfg.checkpoint_activations and self.training and incremental_state is None:
-                x = checkpoint(layer, x, padding_mask, True, bias, memory, memory_mask, use_reentrant=False)
+                x = checkpoint(layer, x, padding_mask, True, bias, memory, memory_mask, use_reentrant=False,
+                               context_fn=checkpoint_context)
             else:
                 x = layer(
                     x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,

@@ -12,6 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.model_parallel.random import checkpoint_context
+from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
 
@@ -21,7 +23,7 @@ class TransformerEncoder(FairseqEncoder):
         self.cfg = cfg
         self.padding_idx = dictionary.pad()
         self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        build = layer_factory or (lambda i: TransformerLayer(cfg))
+        build = layer_factory or (lambda i: TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")))
         self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
         self.rel_pos = (
@@ -46,7 +48,8 @@ class TransformerEncoder(FairseqEncoder):
         states = [x] if return_all_hiddens else []
         for layer in self.layers:
             if self.cfg.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, mask, False, bias, use_reentrant=False)
+                x = checkpoint(layer, x, mask, False, bias, use_reentrant=False,
+                               context_fn=checkpoint_context)
             else:
                 x = layer(x, padding_mask=mask, self_attn_bias=bias)
             if return_all_hiddens:

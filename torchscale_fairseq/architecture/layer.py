@@ -58,4 +58,8 @@ class TransformerLayer(nn.Module):
             x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(
                 h, memory=memory, key_padding_mask=memory_padding_mask, incremental_state=incremental_state,
             ))
-        return self._sublayer(x, self.final_layer_norm, self.ffn)
+        ffn = self.ffn
+        if getattr(ffn, "takes_padding_mask", False):
+            incremental = incremental_state is not None
+            return self._sublayer(x, self.final_layer_norm, lambda h: ffn(h, padding_mask, incremental))
+        return self._sublayer(x, self.final_layer_norm, ffn)

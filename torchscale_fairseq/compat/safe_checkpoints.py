@@ -18,7 +18,8 @@ import torch
 
 def allowed_globals() -> List[object]:
     allowed: List[object] = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, np.dtype]
-    allowed.append(np.core.multiarray.scalar if hasattr(np, "core") else np._core.multiarray.scalar)
+    core = getattr(np, "_core", None) or np.core
+    allowed.append(core.multiarray.scalar)
     for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):
         dtype_cls = getattr(getattr(np, "dtypes", None), name, None)
         if dtype_cls is not None:

@@ -8,6 +8,7 @@ The ranks file ``whisper/assets/gpt2.tiktoken`` is located without importing
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -48,13 +49,13 @@ def get_gpt2_encoding() -> tiktoken.Encoding:
     path = find_gpt2_ranks_file()
     if not path.is_file():
         raise GPT2AssetError(f"GPT-2 BPE ranks file {path} is missing; fix: {INSTALL_HINT}")
-    try:
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=GPT2_TIKTOKEN_SHA256)
-    except ValueError as err:
+    # Checked here as well: tiktoken skips its own check when TIKTOKEN_CACHE_DIR is "".
+    if hashlib.sha256(path.read_bytes()).hexdigest() != GPT2_TIKTOKEN_SHA256:
         raise GPT2AssetError(
             f"GPT-2 BPE ranks file {path} has a wrong sha256 (expected {GPT2_TIKTOKEN_SHA256}); "
             f"fix: {INSTALL_HINT}"
-        ) from err
+        )
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=GPT2_TIKTOKEN_SHA256)
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=tiktoken_ext.openai_public.r50k_pat_str,

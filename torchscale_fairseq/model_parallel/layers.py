@@ -8,22 +8,25 @@ At N = 1 every layer is exactly its dense counterpart.
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
-import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.mappings import (
     all_reduce_sum,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
-from torchscale_fairseq.model_parallel.partition import mark_sharded, shard_tensor
+from torchscale_fairseq.model_parallel.partition import (
+    mark_sharded,
+    mark_vocab_padded,
+    padded_vocab_size,
+    shard_tensor,
+)
 from torchscale_fairseq.model_parallel.process_groups import (
     get_tensor_parallel_rank,
     get_tensor_parallel_world_size,
@@ -31,11 +34,20 @@ from torchscale_fairseq.model_parallel.process_groups import (
 
 InitMethod = Callable[[torch.Tensor], None]
 
-VOCAB_SHARD_MULTIPLE = 128
-
 
 def xavier_normal_init(weight: torch.Tensor) -> None:
     nn.init.xavier_normal_(weight)
+
+
+def real_rows_normal_init(rows: int, std: float) -> InitMethod:
+    """``N(0, std^2)`` for the first ``rows`` rows (the real vocabulary), zero for the
+    padded rest: the RNG draws and the real rows do not depend on the padding."""
+
+    def init(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight[:rows], mean=0.0, std=std)
+        nn.init.zeros_(weight[rows:])
+
+    return init
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -107,19 +119,11 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """Vocabulary padded so each of ``tp_size`` slices is a multiple of 128 (N = 1: unpadded)."""
-    if tp_size == 1:
-        return vocab_size
-    multiple = VOCAB_SHARD_MULTIPLE * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding split along the vocabulary; each rank looks up its own ids and the
     partial embeddings are all-reduced. Padded rows are zero and never used."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
         super().__init__()
         n, rank = get_tensor_parallel_world_size(), get_tensor_parallel_rank()
         self.num_embeddings = num_embeddings
@@ -132,7 +136,7 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(full[:num_embeddings], mean=0.0, std=embedding_dim**-0.5)
         if padding_idx is not None:
             full[padding_idx].zero_()
-        self.weight = _sharded_parameter(full, 0, 1)
+        self.weight = mark_vocab_padded(_sharded_parameter(full, 0, 1), num_embeddings)
         local_pad = None
         if padding_idx is not None and 0 <= padding_idx - self.vocab_start < self.shard_size:
             local_pad = padding_idx - self.vocab_start

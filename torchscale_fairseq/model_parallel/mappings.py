@@ -13,7 +13,7 @@ is active, so tests can count them and their sizes.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,11 @@ from torchscale_fairseq.model_parallel.process_groups import (
     get_tensor_parallel_world_size,
 )
 
-COLLECTIVES: Optional[List[Tuple[str, str, int]]] = None
+COLLECTIVES: list[tuple[str, str, int]] | None = None
 
 
 @contextlib.contextmanager
-def record_collectives() -> Iterator[List[Tuple[str, str, int]]]:
+def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
     """Record ``(op, direction, numel)`` of every tensor-parallel collective."""
     global COLLECTIVES
     previous, COLLECTIVES = COLLECTIVES, []
@@ -38,7 +38,8 @@ def record_collectives() -> Iterator[List[Tuple[str, str, int]]]:
         COLLECTIVES = previous
 
 
-def _log(op: str, direction: str, tensor: torch.Tensor) -> None:
+def log_collective(op: str, direction: str, tensor: torch.Tensor) -> None:
+    """Record one collective (no-op unless :func:`record_collectives` is active)."""
     if COLLECTIVES is not None:
         COLLECTIVES.append((op, direction, tensor.numel()))
 
@@ -47,7 +48,7 @@ def _all_reduce(x: torch.Tensor, op: str, direction: str) -> torch.Tensor:
     if get_tensor_parallel_world_size() == 1:
         return x
     x = x.contiguous()
-    _log(op, direction, x)
+    log_collective(op, direction, x)
     dist.all_reduce(x, group=get_tensor_parallel_group())
     return x
 
@@ -64,7 +65,7 @@ def _gather_last_dim(x: torch.Tensor, op: str, direction: str) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    _log(op, direction, x)
+    log_collective(op, direction, x)
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=get_tensor_parallel_group())
     return torch.cat(parts, dim=-1)

@@ -9,14 +9,14 @@ Parameters without the attributes are replicated on every tensor-parallel rank.
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
-from typing import List, Optional
-
 import torch
+
+from torchscale_fairseq.errors import TsConfigError
 
 TP_DIM = "tensor_parallel_dim"
 TP_STRIDE = "tensor_parallel_stride"
+TP_VOCAB = "tensor_parallel_vocab"
+VOCAB_SHARD_MULTIPLE = 128
 
 
 def mark_sharded(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
@@ -25,7 +25,21 @@ def mark_sharded(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor
     return param
 
 
-def sharded_dim(param: torch.Tensor) -> Optional[int]:
+def mark_vocab_padded(param: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mark a parameter whose split dimension is the padded vocabulary of ``vocab_size``."""
+    setattr(param, TP_VOCAB, vocab_size)
+    return param
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary padded so each of ``tp_size`` slices is a multiple of 128 (N = 1: unpadded)."""
+    if tp_size == 1:
+        return vocab_size
+    multiple = VOCAB_SHARD_MULTIPLE * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def sharded_dim(param: torch.Tensor) -> int | None:
     """The split dimension of a sharded parameter, ``None`` for a replicated one."""
     return getattr(param, TP_DIM, None)
 
@@ -48,10 +62,35 @@ def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world_siz
     return torch.cat([b.chunk(world_size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 
-def unshard_tensors(shards: List[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def unshard_tensors(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
     """Inverse of :func:`shard_tensor` over all ranks' shards, in rank order."""
     if len(shards) == 1:
         return shards[0]
     per_rank_blocks = [s.chunk(stride, dim=dim) for s in shards]
     blocks = [torch.cat([blocks[i] for blocks in per_rank_blocks], dim=dim) for i in range(stride)]
     return torch.cat(blocks, dim=dim)
+
+
+def layout(model: torch.nn.Module) -> dict[str, dict[str, int | None]]:
+    """``{state_dict name: {"dim", "stride", "vocab"}}`` of every sharded parameter
+    (shared parameters under each of their names), recorded in checkpoints."""
+    return {
+        name: {"dim": sharded_dim(p), "stride": getattr(p, TP_STRIDE, 1), "vocab": getattr(p, TP_VOCAB, None)}
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if sharded_dim(p) is not None
+    }
+
+
+def reshard(shards: list[torch.Tensor], entry: dict[str, int | None], new_size: int) -> list[torch.Tensor]:
+    """The ``new_size`` shards of the tensor split into ``shards``: unshard, trim or pad
+    a vocabulary dimension to the new padded size, shard again."""
+    dim, stride, vocab = entry["dim"], entry["stride"] or 1, entry["vocab"]
+    full = unshard_tensors(shards, dim, stride)
+    if vocab is not None:
+        full = full.narrow(dim, 0, vocab)
+        extra = padded_vocab_size(vocab, new_size) - vocab
+        if extra > 0:
+            pad_shape = list(full.shape)
+            pad_shape[dim] = extra
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return [shard_tensor(full, dim, stride, r, new_size).clone() for r in range(new_size)]

@@ -8,16 +8,14 @@ Without initialisation (single process) everything degenerates to size 1, rank 0
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
-from typing import List, Optional
-
 import torch.distributed as dist
 
-_TP_GROUP: Optional[dist.ProcessGroup] = None
-_DP_GROUP: Optional[dist.ProcessGroup] = None
-_TP_RANKS: List[int] = [0]
-_DP_RANKS: List[int] = [0]
+from torchscale_fairseq.errors import TsConfigError
+
+_TP_GROUP: dist.ProcessGroup | None = None
+_DP_GROUP: dist.ProcessGroup | None = None
+_TP_RANKS: list[int] = [0]
+_DP_RANKS: list[int] = [0]
 _TP_SIZE: int = 1
 
 
@@ -60,11 +58,11 @@ def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
 
-def get_tensor_parallel_group() -> Optional[dist.ProcessGroup]:
+def get_tensor_parallel_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
 
 
-def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
+def get_data_parallel_group() -> dist.ProcessGroup | None:
     return _DP_GROUP
 
 
@@ -78,11 +76,11 @@ def get_tensor_parallel_rank() -> int:
     return _TP_RANKS.index(dist.get_rank())
 
 
-def get_tensor_parallel_ranks() -> List[int]:
+def get_tensor_parallel_ranks() -> list[int]:
     return list(_TP_RANKS)
 
 
-def get_data_parallel_ranks() -> List[int]:
+def get_data_parallel_ranks() -> list[int]:
     return list(_DP_RANKS)
 
 

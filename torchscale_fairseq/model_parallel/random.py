@@ -10,7 +10,7 @@ checkpoints. At tensor-parallel size 1 ``fork`` changes nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -23,14 +23,14 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _SEED_OFFSET = 2718
 
 
-def _get_state() -> Dict[str, torch.Tensor]:
+def _get_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_state(state: Dict[str, torch.Tensor]) -> None:
+def _set_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -40,7 +40,7 @@ class RNGStatesTracker:
     """Named generator states that can be swapped in for a block of code."""
 
     def __init__(self) -> None:
-        self.states: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
 
     def reset(self) -> None:
         self.states = {}
@@ -64,10 +64,10 @@ class RNGStatesTracker:
             self.states[name] = _get_state()
             _set_state(saved)
 
-    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {k: {d: t.clone() for d, t in v.items()} for k, v in self.states.items()}
 
-    def load_state_dict(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    def load_state_dict(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         self.states = {k: dict(v) for k, v in states.items()}
 
 
@@ -76,6 +76,25 @@ _TRACKER = RNGStatesTracker()
 
 def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` of ``torch.utils.checkpoint`` (non-reentrant): the recomputation in
+    backward replays the tracker's streams from where the forward pass found them, so
+    dropout inside the parallel regions draws the same mask twice (as Megatron-LM's
+    checkpointing does; torch restores only the default generator)."""
+    snapshot = _TRACKER.state_dict()
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        current = _TRACKER.state_dict()
+        _TRACKER.load_state_dict(snapshot)
+        try:
+            yield
+        finally:
+            _TRACKER.load_state_dict(current)
+
+    return contextlib.nullcontext(), replay()
 
 
 def model_parallel_seed(seed: int) -> None:

@@ -10,10 +10,37 @@ from omegaconf import II
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
+from torchscale_fairseq.modules.moe.config import ROUTERS, SECOND_EXPERT_POLICIES
 
 
 @dataclass
-class TsCommonConfig(FairseqDataclass):
+class TsMoEConfig(FairseqDataclass):
+    """X-MoE / sparse MoE flags (``torchscale_fairseq.modules.moe``)."""
+
+    moe_expert_count: int = field(default=0, metadata={"help": "experts per MoE layer (0 = dense model)"})
+    moe_freq: int = field(default=2, metadata={"help": "every moe-freq-th FFN becomes an MoE layer"})
+    moe_top_k: int = field(default=2, metadata={"help": "experts per token (1 = Switch, 2 = GShard)"})
+    moe_router: ChoiceEnum(ROUTERS) = field(
+        default="xmoe", metadata={"help": "xmoe (low-dim cosine router), linear (softmax gate) or expert_choice"}
+    )
+    moe_router_dim: int = field(default=16, metadata={"help": "X-MoE routing dimension"})
+    moe_gate_noise: float = field(default=0.0, metadata={"help": "noisy top-k std for the linear router (0 = off)"})
+    moe_capacity_factor: float = field(
+        default=1.25, metadata={"help": "training capacity: factor * tokens * k / E per expert (<= 0: no dropping)"}
+    )
+    moe_eval_capacity_factor: float = field(
+        default=0.0, metadata={"help": "validation/generation capacity factor (<= 0: never drop)"}
+    )
+    moe_second_expert_policy: ChoiceEnum(SECOND_EXPERT_POLICIES) = field(
+        default="sampling", metadata={"help": "top-2: keep the second expert by gate (sampling), always, or at random"}
+    )
+    moe_normalize_gate_prob_before_dropping: bool = field(
+        default=False, metadata={"help": "normalise top-2 gates before capacity dropping (default: after)"}
+    )
+
+
+@dataclass
+class TsCommonConfig(TsMoEConfig):
     backbone: ChoiceEnum(BACKBONES) = field(
         default="magneto", metadata={"help": "magneto (Sub-LN), deepnorm, preln or postln"}
     )

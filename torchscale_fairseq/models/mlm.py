@@ -14,7 +14,7 @@ from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.model_parallel.layers import parallel_logits
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
-from torchscale_fairseq.model_parallel.partition import mark_sharded
+from torchscale_fairseq.model_parallel.partition import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
@@ -31,10 +31,13 @@ class MaskedLMEncoder(FairseqEncoder):
         self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
         self.lm_head_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0)))
-        mark_sharded(self.lm_head_bias, 0)
+        mark_vocab_padded(mark_sharded(self.lm_head_bias, 0), self.vocab_size)
 
     def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
-                return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None, **unused):
+                return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None,
+                vocab_parallel_logits: bool = False, **unused):
+        """Logits over the real vocabulary; with ``vocab_parallel_logits`` this rank's
+        padded vocabulary slice (for the vocabulary-parallel ``masked_lm`` loss)."""
         out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens)
         x = out["encoder_out"][0]
         extra = {"inner_states": out["encoder_states"]}
@@ -44,6 +47,8 @@ class MaskedLMEncoder(FairseqEncoder):
             x = x[masked_tokens]
         x = self.lm_head_layer_norm(F.gelu(self.lm_head_dense(x)))
         logits = parallel_logits(x, self.encoder.embed.embed_tokens.weight) + self.lm_head_bias
+        if vocab_parallel_logits:
+            return logits, extra
         if get_tensor_parallel_world_size() > 1:
             logits = gather_from_tensor_parallel_region(logits)
         return logits[..., : self.vocab_size], extra
@@ -57,7 +62,6 @@ class TsMaskedLMModel(FairseqEncoderModel):
     @classmethod
     def build_model(cls, args, task):
         validate_common(args)
-        args.max_source_positions = args.max_positions
         check_positions(getattr(args, "tokens_per_sample", None), args.max_positions, "--tokens-per-sample", "--max-positions")
         cfg = StackConfig.from_args(args, "encoder", "encoder_only")
         return cls(MaskedLMEncoder(cfg, task.source_dictionary))

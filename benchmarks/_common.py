@@ -1,0 +1,184 @@
+"""Shared helpers of the benchmark scripts: synthetic corpora, running fairseq CLIs,
+parsing their logs. Not a benchmark itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = REPO / "torchscale_fairseq"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    """Path of a fairseq console script next to this interpreter (the venv's)."""
+    path = BIN / name
+    if not path.exists():
+        raise SystemExit(f"{name} not found next to {sys.executable}: run with the project's .venv/bin/python")
+    return str(path)
+
+
+def now() -> str:
+    return subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+# ---------------------------------------------------------------- synthetic text
+
+_ONSETS = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+           "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io", "y"]
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck"]
+
+
+def make_words(n: int, rng: random.Random, suffix: str = "") -> List[str]:
+    """``n`` distinct pronounceable pseudo-words (shorter words first, like real text)."""
+    words: List[str] = []
+    seen = set()
+    while len(words) < n:
+        syllables = 1 + min(3, int(rng.expovariate(1.0) + 0.5 * len(words) / max(1, n)))
+        w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)) + suffix
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
+def zipf_probs(n: int, exponent: float = 1.0) -> np.ndarray:
+    p = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** exponent
+    return p / p.sum()
+
+
+def sentence_lengths(rng: np.random.Generator, count: int, low: int, high: int) -> np.ndarray:
+    return rng.integers(low, high + 1, size=count)
+
+
+def write_lm_corpus(out: Path, vocab: int, tokens: int, seed: int = 1) -> Dict[str, Path]:
+    """Zipf-distributed text over ``vocab`` pseudo-words, one sentence per line, documents
+    separated by blank lines; train ~``tokens`` words, valid/test 5% each."""
+    out.mkdir(parents=True, exist_ok=True)
+    words = np.array(make_words(vocab, random.Random(seed)))
+    probs = zipf_probs(vocab)
+    rng = np.random.default_rng(seed)
+    paths = {}
+    for split, n_tokens in (("train", tokens), ("valid", max(2000, tokens // 20)), ("test", max(2000, tokens // 20))):
+        path = out / f"{split}.txt"
+        written = 0
+        with path.open("w") as f:
+            while written < n_tokens:
+                for length in sentence_lengths(rng, rng.integers(3, 11), 6, 40):
+                    f.write(" ".join(words[rng.choice(vocab, size=length, p=probs)]) + " .\n")
+                    written += length + 1
+                f.write("\n")
+        paths[split] = path
+    return paths
+
+
+def write_parallel_corpus(out: Path, vocab: int, pairs: Dict[str, int], seed: int = 1) -> None:
+    """A synthetic language pair ``src``-``tgt``: target words are a fixed word-for-word
+    mapping of the source (a few source words map to two target words), with adjacent
+    pairs swapped, so there is something learnable. Files ``{split}.src`` / ``{split}.tgt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    pyrng = random.Random(seed)
+    src_words = np.array(make_words(vocab, pyrng))
+    tgt_words = make_words(vocab + 200, pyrng, suffix="x")
+    mapping = [tgt_words[i] if i % 17 else tgt_words[i] + " " + tgt_words[vocab + i % 200] for i in range(vocab)]
+    probs = zipf_probs(vocab)
+    rng = np.random.default_rng(seed)
+    for split, count in pairs.items():
+        with (out / f"{split}.src").open("w") as fs, (out / f"{split}.tgt").open("w") as ft:
+            for length in sentence_lengths(rng, count, 5, 30):
+                ids = rng.choice(vocab, size=length, p=probs)
+                tgt_ids = list(ids)
+                for i in range(0, length - 1, 2):
+                    tgt_ids[i], tgt_ids[i + 1] = tgt_ids[i + 1], tgt_ids[i]
+                fs.write(" ".join(src_words[ids]) + " .\n")
+                ft.write(" ".join(mapping[i] for i in tgt_ids) + " .\n")
+
+
+def run(cmd: Sequence[str], log: Optional[Path] = None, env: Optional[dict] = None) -> str:
+    """Run ``cmd``; return stdout+stderr (also written to ``log``); exit on failure."""
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    if log is not None:
+        log.write_text(" ".join(cmd) + "\n\n" + proc.stdout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc.stdout
+
+
+def preprocess_lm(text: Dict[str, Path], dest: Path, workers: int = 2) -> Path:
+    run([
+        tool("fairseq-preprocess"), "--only-source",
+        "--trainpref", str(text["train"]), "--validpref", str(text["valid"]), "--testpref", str(text["test"]),
+        "--destdir", str(dest), "--workers", str(workers),
+    ])
+    return dest
+
+
+def preprocess_translation(raw: Path, dest: Path, workers: int = 2) -> Path:
+    run([
+        tool("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"), "--testpref", str(raw / "test"),
+        "--destdir", str(dest), "--workers", str(workers),
+    ])
+    return dest
+
+
+def dict_size(data: Path, name: str = "dict.txt") -> int:
+    with (data / name).open() as f:
+        return sum(1 for _ in f)
+
+
+# ---------------------------------------------------------------- log parsing
+
+_JSON_LOG = re.compile(r"\|\s*(train_inner|train)\s*\|\s*(\{.*\})\s*$")
+
+
+def train_inner_logs(output: str) -> List[dict]:
+    """The JSON ``train_inner`` records of a ``fairseq-train --log-format json`` run."""
+    records = []
+    for line in output.splitlines():
+        m = _JSON_LOG.search(line)
+        if m and m.group(1) == "train_inner":
+            records.append(json.loads(m.group(2)))
+    return records
+
+
+def num_params(output: str) -> Optional[int]:
+    m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", output)
+    return int(m.group(1).replace(",", "")) if m else None
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+class Stopwatch:
+    def __enter__(self) -> "Stopwatch":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,80 @@
+"""Training step time of ``ts_lm`` at ``--model-parallel-size 2`` (2 processes, gloo,
+1 thread each) against the single process (2 threads), same data, model and batch.
+
+Runs alternate (TP=1, TP=2, ...) so both see the same machine load; a run's step time is
+the median per-update ``train_wall`` of its JSON ``train_inner`` records after the first
+``--skip`` updates. Recorded, not a target: on one shared CPU the all-reduces are pure
+overhead (tensor parallelism pays off across devices).
+
+    .venv/bin/python benchmarks/tp_step_time.py [--rounds 2 --updates 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import USER_DIR, load_average, median, now, preprocess_lm, tool, train_inner_logs, write_lm_corpus
+
+MODEL = ["--arch", "ts_lm", "--decoder-layers", "4", "--decoder-embed-dim", "512", "--decoder-attention-heads", "8",
+         "--decoder-ffn-embed-dim", "2048", "--backbone", "magneto"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(data: Path, save: Path, tp: int, updates: int) -> list[dict]:
+    args = [tool("fairseq-train"), str(data), "--user-dir", str(USER_DIR), "--task", "language_modeling", *MODEL,
+            "--tokens-per-sample", "128", "--batch-size", "8", "--max-update", str(updates), "--optimizer", "adam",
+            "--lr", "1e-4", "--dropout", "0.1", "--cpu", "--log-format", "json", "--log-interval", "1", "--no-save",
+            "--disable-validation", "--model-parallel-size", str(tp), "--save-dir", str(save)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(2 // tp), "PYTHONWARNINGS": "ignore"}
+    port = free_port()
+    procs = []
+    for rank in range(tp):
+        dist = [] if tp == 1 else [
+            "--distributed-world-size", str(tp), "--distributed-rank", str(rank), "--distributed-no-spawn",
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo"]
+        procs.append(subprocess.Popen([*args, *dist], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env))
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit("training failed:\n" + "\n".join(o[-2000:] for o in outputs))
+    return train_inner_logs(outputs[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--updates", type=int, default=30)
+    p.add_argument("--skip", type=int, default=5)
+    args = p.parse_args()
+    started, load_before = now(), load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = preprocess_lm(write_lm_corpus(root / "raw", vocab=5000, tokens=200000), root / "bin")
+        times: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(args.rounds):
+            for tp in (1, 2):
+                records = train(data, root / f"ckpt{tp}", tp, args.updates)[args.skip:]
+                times[tp].append(median(float(r["train_wall"]) for r in records))
+    t1, t2 = median(times[1]), median(times[2])
+    print(f"started {started}, load average before {load_before}, after {load_average()}")
+    print("| setting | processes x threads | median s/update | runs |")
+    print("|---|---|---|---|")
+    print(f"| TP=1 | 1 x 2 | {t1:.3f} | {', '.join(f'{t:.3f}' for t in times[1])} |")
+    print(f"| TP=2 | 2 x 1 | {t2:.3f} | {', '.join(f'{t:.3f}' for t in times[2])} |")
+    print(f"\nTP=2 / TP=1 step time: {t2 / t1:.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

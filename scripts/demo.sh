@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# First run for a new user (works from any directory; paths below are relative to the repo root):
+#   1. install .venv (scripts/install.sh),
+#   2. prepare the gensim Wikipedia excerpt with GPT-2 BPE into $DATA_DIR (skipped if already there),
+#   3. train a small Magneto language model on CPU (resumes from $SAVE_DIR/checkpoint_last.pt;
+#      skipped once $SAVE_DIR/train.log reports $MAX_UPDATE updates),
+#   4. report the validation perplexity (fairseq-eval-lm) and sample a continuation of $PROMPT.
+# Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
+set -euo pipefail
+trap 'echo "[demo] error: the step at scripts/demo.sh line $LINENO failed; see the output above" >&2' ERR
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+export VENV="${VENV:-$ROOT/.venv}"
+SKIP_INSTALL="${SKIP_INSTALL:-0}"          # 1: use $VENV as it is
+DATA_DIR="${DATA_DIR:-data-bin/enwiki_gpt2}"
+MAX_DOCS="${MAX_DOCS:-}"                   # empty: all articles of the excerpt
+SAVE_DIR="${SAVE_DIR:-checkpoints/demo_lm}"
+ARCH="${ARCH:-ts_lm_tiny}"
+BACKBONE="${BACKBONE:-magneto}"
+TOKENS_PER_SAMPLE="${TOKENS_PER_SAMPLE:-128}"
+BATCH_SIZE="${BATCH_SIZE:-16}"
+LR="${LR:-1e-3}"
+WARMUP_UPDATES="${WARMUP_UPDATES:-100}"
+MAX_UPDATE="${MAX_UPDATE:-300}"
+LOG_INTERVAL="${LOG_INTERVAL:-20}"
+SEED="${SEED:-1}"
+EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"   # appended to fairseq-train, word-split
+EVAL_CONTEXT_WINDOW="${EVAL_CONTEXT_WINDOW:-0}"
+PROMPT="${PROMPT:-The history of}"
+SAMPLE_LEN="${SAMPLE_LEN:-40}"
+SAMPLE_TOPK="${SAMPLE_TOPK:-10}"
+
+PY="$VENV/bin/python"
+USER_DIR="$ROOT/torchscale_fairseq"
+say() { echo "[demo] $*"; }
+
+if [ "$SKIP_INSTALL" != 1 ]; then
+  say "installing into $VENV"
+  bash "$ROOT/scripts/install.sh"
+fi
+[ -x "$PY" ] || { echo "[demo] error: $PY not found; fix: bash scripts/install.sh" >&2; exit 1; }
+
+prepared=1
+for f in dict.txt train.bin train.idx valid.bin valid.idx test.bin test.idx; do
+  [ -f "$DATA_DIR/$f" ] || prepared=0
+done
+if [ "$prepared" = 1 ]; then
+  say "using the prepared data in $DATA_DIR"
+else
+  say "preparing $DATA_DIR (gensim Wikipedia excerpt, GPT-2 BPE)"
+  "$PY" -m data_prep.prepare_lm --out-dir "$DATA_DIR" ${MAX_DOCS:+--max-docs "$MAX_DOCS"}
+fi
+
+mkdir -p "$SAVE_DIR"
+logged_updates() {
+  [ -f "$SAVE_DIR/train.log" ] || return 0
+  sed -n 's/.*num_updates[ =]\([0-9]*\).*/\1/p' "$SAVE_DIR/train.log" | tail -n 1
+}
+DONE="$(logged_updates)"
+if [ -f "$SAVE_DIR/checkpoint_best.pt" ] && [ "${DONE:-0}" -ge "$MAX_UPDATE" ]; then
+  say "already trained ($DONE updates in $SAVE_DIR); remove it or raise MAX_UPDATE to train more"
+else
+  say "training $ARCH ($BACKBONE) up to $MAX_UPDATE updates on CPU; log: $SAVE_DIR/train.log"
+  # shellcheck disable=SC2086  # EXTRA_TRAIN_ARGS is split into words on purpose
+  "$VENV/bin/fairseq-train" "$DATA_DIR" --user-dir "$USER_DIR" \
+    --task language_modeling --arch "$ARCH" --backbone "$BACKBONE" \
+    --share-decoder-input-output-embed \
+    --tokens-per-sample "$TOKENS_PER_SAMPLE" --sample-break-mode none \
+    --optimizer adam --adam-betas '(0.9,0.98)' --lr "$LR" \
+    --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" \
+    --batch-size "$BATCH_SIZE" --max-update "$MAX_UPDATE" --seed "$SEED" --cpu \
+    --save-dir "$SAVE_DIR" --log-format simple --log-interval "$LOG_INTERVAL" \
+    --no-epoch-checkpoints $EXTRA_TRAIN_ARGS 2>&1 | tee -a "$SAVE_DIR/train.log"
+fi
+[ -f "$SAVE_DIR/checkpoint_best.pt" ] || { echo "[demo] error: training wrote no $SAVE_DIR/checkpoint_best.pt; see $SAVE_DIR/train.log" >&2; exit 1; }
+
+say "evaluating on the valid split; log: $SAVE_DIR/eval_valid.log"
+"$VENV/bin/fairseq-eval-lm" "$DATA_DIR" --user-dir "$USER_DIR" \
+  --path "$SAVE_DIR/checkpoint_best.pt" --gen-subset valid \
+  --tokens-per-sample "$TOKENS_PER_SAMPLE" --context-window "$EVAL_CONTEXT_WINDOW" \
+  --batch-size "$BATCH_SIZE" --cpu > "$SAVE_DIR/eval_valid.log" 2>&1 \
+  || { tail -n 5 "$SAVE_DIR/eval_valid.log" >&2; echo "[demo] error: fairseq-eval-lm failed; see $SAVE_DIR/eval_valid.log" >&2; exit 1; }
+VALID_PPL="$(sed -n 's/.*Perplexity: \([0-9.]*\).*/\1/p' "$SAVE_DIR/eval_valid.log" | tail -n 1)"
+VALID_LOSS="$(sed -n 's/.*Loss (base 2): \([0-9.]*\),.*/\1/p' "$SAVE_DIR/eval_valid.log" | tail -n 1)"
+
+say "sampling a continuation of: $PROMPT"
+SAMPLE="$("$PY" -m data_prep.sample_lm --checkpoint-dir "$SAVE_DIR" --data "$DATA_DIR" \
+  --prompt "$PROMPT" --max-len "$SAMPLE_LEN" --topk "$SAMPLE_TOPK" --seed "$SEED" \
+  --user-dir "$USER_DIR" 2> "$SAVE_DIR/sample.log" | tail -n 1)" \
+  || { tail -n 5 "$SAVE_DIR/sample.log" >&2; echo "[demo] error: sampling failed; see $SAVE_DIR/sample.log" >&2; exit 1; }
+
+UPDATES="$(logged_updates)"
+echo
+echo "================ demo summary ================"
+echo "data:        $DATA_DIR (GPT-2 BPE; fairseq id = GPT-2 id + 4)"
+echo "model:       $ARCH, backbone $BACKBONE, ${UPDATES:-?} updates, $SAVE_DIR/checkpoint_best.pt"
+echo "valid:       loss ${VALID_LOSS:-?} bits/token, perplexity ${VALID_PPL:-?}"
+echo "sample:      $SAMPLE"

@@ -1,0 +1,241 @@
+"""One rank of the layer-level tensor-parallel checks (run by ``test_mp_layers.py``).
+
+``python layer_worker.py RANK WORLD PORT OUT``: every parallel layer at N = WORLD is
+compared, forward and backward, with its dense PyTorch counterpart built from the same
+full weights (the N = 1 build with the same seed); rank 0 writes the maximum absolute
+errors and the recorded collectives as JSON to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from torch import nn
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.cross_entropy import (
+    label_smoothed_loss,
+    vocab_parallel_cross_entropy,
+)
+from torchscale_fairseq.model_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLayerNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+)
+from torchscale_fairseq.model_parallel.mappings import record_collectives
+from torchscale_fairseq.model_parallel.partition import (
+    TP_STRIDE,
+    shard_tensor,
+    sharded_dim,
+)
+from torchscale_fairseq.modules.backbone import build_backbone
+
+B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.float() - b.float()).abs().max())
+
+
+def shard_of(full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+    return shard_tensor(full, dim, stride, groups.get_tensor_parallel_rank(), groups.get_tensor_parallel_world_size())
+
+
+def seeded(seed: int, factory):
+    torch.manual_seed(seed)
+    return factory()
+
+
+def randn(seed: int, *shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def param_grad_errors(parallel: nn.Module, dense_grads: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for name, p in parallel.named_parameters():
+        dim = sharded_dim(p)
+        full = dense_grads[name]
+        expected = full if dim is None else shard_of(full, dim, getattr(p, TP_STRIDE, 1))
+        worst = max(worst, err(p.grad, expected))
+    return worst
+
+
+def check_column(dense_cl: ColumnParallelLinear, world: int) -> dict[str, float]:
+    ref = nn.Linear(16, 24)
+    ref.weight.data.copy_(dense_cl.weight)
+    ref.bias.data.copy_(dense_cl.bias)
+    par = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3))
+    par.bias.data.copy_(shard_of(torch.arange(24.0) / 24, 0, 3))
+    ref.bias.data.copy_(torch.arange(24.0) / 24)
+    x_ref, x_par = randn(1, B, T, 16).requires_grad_(), randn(1, B, T, 16).requires_grad_()
+    grad_out = randn(2, B, T, 24)
+    y_ref = ref(x_ref)
+    y_ref.backward(grad_out)
+    y_par = par(x_par)
+    y_par.backward(shard_of(grad_out, 2, 3))
+    return {
+        "weight": err(par.weight, shard_of(dense_cl.weight, 0, 3)),
+        "out": err(y_par, shard_of(y_ref.detach(), 2, 3)),
+        "grad_x": err(x_par.grad, x_ref.grad),
+        "grad_params": param_grad_errors(par, {"weight": ref.weight.grad, "bias": ref.bias.grad}),
+    }
+
+
+def check_row(dense_rl: RowParallelLinear) -> dict[str, float]:
+    ref = nn.Linear(24, 16)
+    ref.weight.data.copy_(dense_rl.weight)
+    ref.bias.data.copy_(torch.linspace(-1, 1, 16))
+    par = seeded(12, lambda: RowParallelLinear(24, 16))
+    par.bias.data.copy_(torch.linspace(-1, 1, 16))
+    x_full = randn(3, B, T, 24)
+    x_ref, x_par = x_full.clone().requires_grad_(), shard_of(x_full, 2).requires_grad_()
+    grad_out = randn(4, B, T, 16)
+    y_ref = ref(x_ref)
+    y_ref.backward(grad_out)
+    y_par = par(x_par)
+    y_par.backward(grad_out)
+    return {
+        "out": err(y_par, y_ref),
+        "grad_x": err(x_par.grad, shard_of(x_ref.grad, 2)),
+        "grad_params": param_grad_errors(par, {"weight": ref.weight.grad, "bias": ref.bias.grad}),
+    }
+
+
+def check_embedding(dense_emb: VocabParallelEmbedding, world: int) -> dict[str, float]:
+    ref = nn.Embedding(V, D, padding_idx=PAD)
+    ref.weight.data.copy_(dense_emb.weight)
+    par = seeded(13, lambda: VocabParallelEmbedding(V, D, padding_idx=PAD))
+    tokens = torch.tensor([[0, 1, 5, 299, 200], [150, 1, 1, 7, 298], [3, 100, 250, 2, 1]])
+    grad_out = randn(5, B, T, D)
+    ref(tokens).backward(grad_out)
+    y_par = par(tokens)
+    y_par.backward(grad_out)
+    padded = padded_vocab_size(V, world)
+    full_grad = torch.cat([ref.weight.grad, torch.zeros(padded - V, D)])
+    full_weight = torch.cat([ref.weight.detach(), torch.zeros(padded - V, D)])
+    return {
+        "weight": err(par.weight, shard_of(full_weight, 0)),
+        "out": err(y_par, ref(tokens)),
+        "grad_params": err(par.weight.grad, shard_of(full_grad, 0)),
+    }
+
+
+def check_layernorm() -> dict[str, float]:
+    ref = nn.LayerNorm(24)
+    ref.weight.data.copy_(randn(6, 24))
+    ref.bias.data.copy_(randn(7, 24))
+    par = ParallelLayerNorm(24)
+    par.weight.data.copy_(shard_of(ref.weight.detach(), 0))
+    par.bias.data.copy_(shard_of(ref.bias.detach(), 0))
+    x_full = randn(8, B, T, 24) * 3 + 1
+    x_ref, x_par = x_full.clone().requires_grad_(), shard_of(x_full, 2).requires_grad_()
+    grad_out = randn(9, B, T, 24)
+    y_ref = ref(x_ref)
+    y_ref.backward(grad_out)
+    y_par = par(x_par)
+    y_par.backward(shard_of(grad_out, 2))
+    return {
+        "out": err(y_par, shard_of(y_ref.detach(), 2)),
+        "grad_x": err(x_par.grad, shard_of(x_ref.grad, 2)),
+        "grad_params": param_grad_errors(par, {"weight": ref.weight.grad, "bias": ref.bias.grad}),
+    }
+
+
+def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
+    eps = 0.1
+    logits_full = randn(10, B * T, V) * 4
+    target = torch.tensor([0, 5, PAD, 299, 150, 151, 2, 7, PAD, 255, 128, 127, 3, 42, 200])
+    ref_logits = logits_full.clone().requires_grad_()
+    lprobs = F.log_softmax(ref_logits, dim=-1)
+    ref_loss, ref_nll = label_smoothed_nll_loss(lprobs, target.unsqueeze(-1), eps, ignore_index=PAD)
+    ref_loss.backward()
+    padded = padded_vocab_size(V, world)
+    garbage = torch.full((B * T, padded - V), 50.0)
+    par_logits = shard_of(torch.cat([logits_full, garbage], dim=1), 1).requires_grad_()
+    with record_collectives() as log:
+        losses = vocab_parallel_cross_entropy(par_logits, target, V)
+    loss, nll = label_smoothed_loss(losses, target, eps, V, PAD)
+    loss.backward()
+    full_grad = torch.cat([ref_logits.grad, torch.zeros(B * T, padded - V)], dim=1)
+    argmax_ok = losses.target_is_max.eq(logits_full.argmax(-1).eq(target))
+    plain = F.cross_entropy(logits_full, target, ignore_index=PAD, reduction="sum")
+    plain_par = losses.nll.masked_fill(target.eq(PAD), 0).sum()
+    return {
+        "loss": err(loss, ref_loss),
+        "nll": err(nll, ref_nll),
+        "plain_nll": err(plain_par, plain),
+        "grad_logits": err(par_logits.grad, shard_of(full_grad, 1)),
+        "argmax_mismatches": float((~argmax_ok).sum()),
+    }, list(log)
+
+
+def layer_config(backbone: str) -> StackConfig:
+    return StackConfig(
+        embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
+        backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0,
+    )
+
+
+def dense_transformer_layer(backbone: str) -> dict:
+    """Output and gradients of the unsharded layer (call before the groups exist)."""
+    dense = seeded(20, lambda: TransformerLayer(layer_config(backbone)))
+    x = randn(21, B, T, D).requires_grad_()
+    y = dense(x, causal=True)
+    y.backward(randn(22, B, T, D))
+    return {"out": y.detach(), "grad_x": x.grad, "grads": {n: p.grad for n, p in dense.named_parameters()}}
+
+
+def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float], list]:
+    par = seeded(20, lambda: TransformerLayer(layer_config(backbone)))
+    x = randn(21, B, T, D).requires_grad_()
+    with record_collectives() as log:
+        y = par(x, causal=True)
+        y.backward(randn(22, B, T, D))
+    return {
+        "out": err(y, dense["out"]),
+        "grad_x": err(x.grad, dense["grad_x"]),
+        "grad_params": param_grad_errors(par, dense["grads"]),
+    }, list(log)
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dense = {
+        "column": seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3)),
+        "row": seeded(12, lambda: RowParallelLinear(24, 16)),
+        "embedding": seeded(13, lambda: VocabParallelEmbedding(V, D, padding_idx=PAD)),
+        "magneto": dense_transformer_layer("magneto"),
+        "preln": dense_transformer_layer("preln"),
+    }
+    groups.initialize_model_parallel(world)
+    results: dict = {"errors": {}, "collectives": {}, "shape": [B, T, D]}
+    results["errors"]["column"] = check_column(dense["column"], world)
+    results["errors"]["row"] = check_row(dense["row"])
+    results["errors"]["embedding"] = check_embedding(dense["embedding"], world)
+    results["errors"]["layernorm"] = check_layernorm()
+    results["errors"]["cross_entropy"], results["collectives"]["cross_entropy"] = check_cross_entropy(world)
+    for backbone in ("magneto", "preln"):
+        errors, log = check_transformer_layer(backbone, dense[backbone])
+        results["errors"][backbone], results["collectives"][backbone] = errors, log
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

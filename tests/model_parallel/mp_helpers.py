@@ -1,0 +1,129 @@
+"""Helpers of the tensor-parallel tests: free ports, one subprocess per rank (gloo on
+CPU, the flags a user passes), tiny corpora, parsing fairseq logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+USER_DIR = REPO / "torchscale_fairseq"
+BIN = Path(sys.executable).parent
+UNROUNDED = Path(__file__).resolve().parent / "unrounded_cli.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_flags(world: int, rank: int, port: int) -> list[str]:
+    if world == 1:
+        return []
+    return [
+        "--distributed-world-size", str(world), "--distributed-rank", str(rank),
+        "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+        "--distributed-backend", "gloo",
+    ]
+
+
+def launch(cmd: Sequence[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, cwd=str(REPO))
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    for p, log in zip(procs, logs):
+        code = p.wait(timeout=timeout)
+        if code != 0:
+            raise AssertionError(f"{' '.join(p.args[:3])} ... exited {code}:\n" + log.read_text()[-3000:])
+
+
+def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
+    """Start ``world`` processes of the fairseq console tool ``tool``; return their logs
+    (call :func:`wait_all` on ``.procs``)."""
+    port = free_port()
+    logs, procs = [], []
+    for rank in range(world):
+        log = out / f"{tool}.{rank}.log"
+        cmd = [sys.executable, str(UNROUNDED), tool] if unrounded else [str(BIN / tool)]
+        procs.append(launch([*cmd, *args, "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, rank, port)], log))
+        logs.append(log)
+    fairseq_ranks.procs = procs
+    return logs
+
+
+def run_fairseq(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
+    logs = fairseq_ranks(tool, args, world, out, unrounded)
+    wait_all(fairseq_ranks.procs, logs)
+    return logs
+
+
+def train_records(log: Path) -> list[dict]:
+    """The ``train_inner`` JSON records of a ``--log-format json --log-interval 1`` run
+    (fairseq's log format or the bare ``INFO:train_inner:{...}`` of :mod:`unrounded_cli`)."""
+    records = []
+    for line in log.read_text().splitlines():
+        if "train_inner" in line and "{" in line:
+            records.append(json.loads(line[line.index("{"):]))
+    return records
+
+
+def _binarize(lines: list[str], dictionary, prefix: Path) -> None:
+    from fairseq.data import indexed_dataset
+
+    builder = indexed_dataset.make_builder(f"{prefix}.bin", impl="mmap", vocab_size=len(dictionary))
+    for line in lines:
+        builder.add_item(dictionary.encode_line(line, add_if_not_exist=False))
+    builder.finalize(f"{prefix}.idx")
+
+
+def _dictionary(lines: list[str], path: Path):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for line in lines:
+        for word in line.split():
+            d.add_symbol(word)
+    d.save(str(path))
+    return d
+
+
+def make_corpora(root: Path) -> tuple[Path, Path]:
+    """A language-modelling and a translation data set, binarised as fairseq-preprocess
+    does (in this process: every extra process start costs seconds on a shared CPU)."""
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(300)]
+
+    def sentence(lo: int, hi: int, words: list[str]) -> list[str]:
+        return [rng.choice(words) for _ in range(rng.randint(lo, hi))]
+
+    lm = {split: [" ".join(sentence(4, 20, vocab)) for _ in range(n)]
+          for split, n in (("train", 600), ("valid", 40), ("test", 40))}
+    src = {split: [sentence(3, 12, vocab[:200]) for _ in range(n)] for split, n in (("train", 600), ("valid", 12),
+                                                                                     ("test", 12))}
+    mt = {split: ([" ".join(s) for s in sents], [" ".join(f"t{w}" for w in reversed(s)) for s in sents])
+          for split, sents in src.items()}
+    lm_bin, mt_bin = root / "lm_bin", root / "mt_bin"
+    lm_bin.mkdir(parents=True)
+    mt_bin.mkdir(parents=True)
+    lm_dict = _dictionary(lm["train"], lm_bin / "dict.txt")
+    src_dict = _dictionary(mt["train"][0], mt_bin / "dict.src.txt")
+    tgt_dict = _dictionary(mt["train"][1], mt_bin / "dict.tgt.txt")
+    for split, lines in lm.items():
+        _binarize(lines, lm_dict, lm_bin / split)
+        _binarize(mt[split][0], src_dict, mt_bin / f"{split}.src-tgt.src")
+        _binarize(mt[split][1], tgt_dict, mt_bin / f"{split}.src-tgt.tgt")
+    return lm_bin, mt_bin
+
+
+def relative_close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)

@@ -1,0 +1,68 @@
+"""The patched ``fairseq.utils.clip_grad_norm_`` without tensor parallelism or experts is
+fairseq's own ``||g||_2`` (and clips the same way); expert gradients count; fp16 master
+copies keep the attributes the count-once norm needs."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+from fairseq import utils
+from torch import nn
+
+import torchscale_fairseq  # noqa: F401  (installs the patches)
+from torchscale_fairseq.compat import grad_norm_clip
+from torchscale_fairseq.model_parallel.partition import TP_DIM, TP_STRIDE, mark_sharded
+
+
+def _model_with_grads(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    model(torch.randn(5, 8)).pow(2).sum().backward()
+    return model
+
+
+def test_patch_is_installed():
+    assert utils.clip_grad_norm_ is grad_norm_clip.clip_grad_norm_
+
+
+def test_equals_stock_fairseq_without_tensor_parallelism():
+    for max_norm in (0.0, 1e-3, 1e6):
+        ours, stock = _model_with_grads(), _model_with_grads()
+        total = utils.clip_grad_norm_(list(ours.parameters()), max_norm)
+        expected = grad_norm_clip.STOCK_CLIP_GRAD_NORM(list(stock.parameters()), max_norm)
+        assert torch.allclose(total, expected, rtol=1e-6, atol=0), (total, expected)
+        for a, b in zip(ours.parameters(), stock.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_expert_gradients_count():
+    model = _model_with_grads()
+    params = list(model.parameters())
+    params[-1].expert = True
+    dense = torch.cat([p.grad.flatten() for p in params[:-1]]).norm()
+    total = utils.clip_grad_norm_(params, 0.0)
+    assert torch.allclose(total, torch.cat([dense[None], params[-1].grad.flatten()]).norm())
+    assert not torch.allclose(total, grad_norm_clip.STOCK_CLIP_GRAD_NORM(params, 0.0))
+
+
+def test_flat_fp16_master_is_split_back_into_parameters():
+    model = _model_with_grads()
+    params = list(model.parameters())
+    mark_sharded(params[0], 0)
+    flat = nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
+    flat.grad = torch.cat([p.grad.flatten() for p in params])
+    setattr(flat, grad_norm_clip._FLAT_SOURCES, params)
+    views = list(grad_norm_clip._views([flat]))
+    assert [v.grad.numel() for v in views] == [p.numel() for p in params]
+    assert getattr(views[0], TP_DIM) == 0 and not hasattr(views[1], TP_DIM)
+    assert torch.allclose(utils.clip_grad_norm_([flat], 0.0), flat.grad.norm())
+
+
+def test_unflattened_fp16_masters_keep_the_attributes():
+    params = [mark_sharded(nn.Parameter(torch.ones(4, 2)), 0, 2), nn.Parameter(torch.ones(3))]
+    params[1].expert = True
+    masters = grad_norm_clip._FP16OptimizerMixin.build_fp32_params(SimpleNamespace(), copy.copy(params), flatten=False)
+    assert getattr(masters[0], TP_DIM) == 0 and getattr(masters[0], TP_STRIDE) == 2
+    assert masters[1].expert is True and not hasattr(masters[1], TP_DIM)

@@ -1,0 +1,64 @@
+"""Layer level, N = 2 on gloo: every parallel layer equals its dense PyTorch counterpart
+built from the same full weights (forward and backward, 1e-5), the vocabulary-parallel
+cross-entropy equals fairseq's label-smoothed loss on the full logits, and a layer makes
+exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from mp_helpers import free_port, launch, wait_all
+
+WORKER = Path(__file__).resolve().parent / "layer_worker.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("layers")
+    port = free_port()
+    logs = [out / f"rank{r}.log" for r in range(2)]
+    procs = [launch([sys.executable, str(WORKER), str(r), "2", str(port), str(out / "results.json")], logs[r])
+             for r in range(2)]
+    wait_all(procs, logs, timeout=180)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("layer", ["column", "row", "embedding", "layernorm", "magneto", "preln"])
+def test_parallel_layer_equals_dense(results, layer):
+    errors = results["errors"][layer]
+    assert errors, layer
+    for what, value in errors.items():
+        assert value <= TOL, f"{layer} {what}: max abs error {value}"
+
+
+def test_vocab_parallel_cross_entropy_equals_dense(results):
+    errors = results["errors"]["cross_entropy"]
+    assert errors["argmax_mismatches"] == 0
+    for what in ("loss", "nll", "plain_nll", "grad_logits"):
+        assert errors[what] <= 1e-4 if what != "grad_logits" else errors[what] <= TOL, (what, errors[what])
+
+
+def test_cross_entropy_communicates_per_token_scalars(results):
+    b, t, _ = results["shape"]
+    log = results["collectives"]["cross_entropy"]
+    assert [(op, n) for op, _, n in log] == [("cross_entropy", b * t), ("cross_entropy", 3 * b * t)]
+
+
+def _count(log, op, direction):
+    return [n for o, d, n in log if o == op and d == direction]
+
+
+@pytest.mark.parametrize("backbone,stats", [("magneto", 4), ("preln", 0)])
+def test_two_large_all_reduces_each_way_per_layer(results, backbone, stats):
+    b, t, d = results["shape"]
+    log = results["collectives"][backbone]
+    assert _count(log, "g", "forward") == [b * t * d] * 2
+    assert _count(log, "f", "backward") == [b * t * d] * 2
+    # Magneto's two inner LayerNorms: mean and variance, per-token scalars, each way
+    assert _count(log, "stats", "forward") == [b * t] * stats
+    assert _count(log, "stats", "backward") == [b * t] * stats
+    assert len(log) == 4 + 2 * stats

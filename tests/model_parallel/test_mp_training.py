@@ -1,0 +1,205 @@
+"""Model level, through the fairseq console tools (one process per rank, gloo):
+
+- ``ts_lm`` and ``ts_transformer`` (label-smoothed, with accuracy): the per-update
+  losses and grad norms of the first 20 updates at ``--model-parallel-size 2`` equal the
+  single-process run within 1e-4 relative (dropout 0);
+- DP x TP = 2 x 2 on 4 processes equals the single process accumulating the same two
+  batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
+- ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts, and the size-1 checkpoint
+  scores like the size-2 parts (``fairseq-eval-lm``);
+- ``fairseq-generate`` at size 2 equals size 1 on the resharded checkpoint;
+- loading parts at another size, or asking for N > 1 without processes, is a one-line
+  error.
+
+Every process start costs seconds on the shared CPU, so the runs of each phase are
+launched together.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from mp_helpers import (
+    BIN,
+    USER_DIR,
+    fairseq_ranks,
+    launch,
+    make_corpora,
+    relative_close,
+    train_records,
+    wait_all,
+)
+
+from torchscale_fairseq.cli import reshard
+
+UPDATES = 20
+DP_TP_UPDATES = 8
+REL = 1e-4
+COMMON = ["--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5", "--dropout", "0", "--log-format", "json",
+          "--log-interval", "1", "--no-epoch-checkpoints", "--ddp-backend", "legacy_ddp", "--seed", "3"]
+
+
+def lm_args(data: Path, save: Path, tp: int, updates: int = UPDATES, update_freq: int = 2) -> list[str]:
+    return [str(data), "--task", "language_modeling", "--arch", "ts_lm_tiny", "--decoder-layers", "2",
+            "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4",
+            "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", str(updates), "--save-dir", str(save),
+            "--update-freq", str(update_freq), "--model-parallel-size", str(tp), *COMMON]
+
+
+def mt_args(data: Path, save: Path, tp: int) -> list[str]:
+    return [str(data), "--task", "translation", "--arch", "ts_transformer_tiny", "--encoder-layers", "2",
+            "--decoder-layers", "2", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+            "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128", "--encoder-attention-heads", "4",
+            "--decoder-attention-heads", "4", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--report-accuracy", "--max-tokens", "300", "--max-update", str(UPDATES),
+            "--save-dir", str(save), "--model-parallel-size", str(tp), *COMMON]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Data, then every training run at once: LM and MT at N = 1 and 2, DP x TP."""
+    root = tmp_path_factory.mktemp("tp")
+    lm_bin, mt_bin = make_corpora(root)
+    jobs = {
+        "lm1": (lm_args(lm_bin, root / "lm1", 1), 1),
+        "lm2": (lm_args(lm_bin, root / "lm2", 2), 2),
+        "mt1": (mt_args(mt_bin, root / "mt1", 1), 1),
+        "mt2": (mt_args(mt_bin, root / "mt2", 2), 2),
+        "dptp": (lm_args(lm_bin, root / "dptp", 2, DP_TP_UPDATES, update_freq=1), 4),
+    }
+    procs, logs = [], {}
+    for name, (args, world) in jobs.items():
+        logs[name] = fairseq_ranks("fairseq-train", args, world, root / name, unrounded=True)
+        procs += fairseq_ranks.procs
+    wait_all(procs, [log for name in jobs for log in logs[name]], timeout=600)
+    return {"root": root, "lm_bin": lm_bin, "mt_bin": mt_bin, "logs": logs}
+
+
+def _eval_lm_args(data: Path, path: Path) -> list[str]:
+    return [str(data), "--path", str(path), "--task", "language_modeling", "--tokens-per-sample", "32",
+            "--batch-size", "4", "--gen-subset", "valid"]
+
+
+@pytest.fixture(scope="module")
+def evaluations(runs, tmp_path_factory) -> dict:
+    """Reshard (in this process), then every evaluation and error run at once."""
+    root = tmp_path_factory.mktemp("eval")
+    lm_parts, mt_parts = runs["root"] / "lm2" / "checkpoint_last.pt", runs["root"] / "mt2" / "checkpoint_last.pt"
+    lm_one, lm_two = root / "lm_one" / "checkpoint.pt", root / "lm_two" / "checkpoint.pt"
+    mt_one = root / "mt_one" / "checkpoint.pt"
+    for args in ((lm_parts, 1, lm_one), (lm_one, 2, lm_two), (mt_parts, 1, mt_one)):
+        reshard.main(["--input", str(args[0]), "--size", str(args[1]), "--output", str(args[2])])
+    gen = [str(runs["mt_bin"]), "--beam", "4", "--nbest", "4", "--batch-size", "8", "--gen-subset", "test"]
+    jobs = {
+        "eval2": ("fairseq-eval-lm", [*_eval_lm_args(runs["lm_bin"], lm_parts), "--model-parallel-size", "2"], 2),
+        "eval1": ("fairseq-eval-lm", _eval_lm_args(runs["lm_bin"], lm_one), 1),
+        "gen2": ("fairseq-generate", [*gen, "--path", str(mt_parts), "--model-parallel-size", "2"], 2),
+        "gen1": ("fairseq-generate", [*gen, "--path", str(mt_one)], 1),
+    }
+    procs, logs = [], {}
+    for name, (tool, args, world) in jobs.items():
+        logs[name] = fairseq_ranks(tool, args, world, root / name)
+        procs += fairseq_ranks.procs
+    errors = {
+        "parts_base": [str(BIN / "fairseq-eval-lm"), *_eval_lm_args(runs["lm_bin"], lm_parts)],
+        "part_file": [str(BIN / "fairseq-eval-lm"),
+                      *_eval_lm_args(runs["lm_bin"], lm_parts.with_name("checkpoint_last-model_part-0.pt"))],
+        "no_processes": [str(BIN / "fairseq-train"), *lm_args(runs["lm_bin"], root / "np", 2, 1)],
+    }
+    error_procs = {name: launch([*cmd, "--user-dir", str(USER_DIR), "--cpu"], root / f"{name}.log")
+                   for name, cmd in errors.items()}
+    wait_all(procs, [log for name in jobs for log in logs[name]], timeout=600)
+    codes = {name: p.wait(timeout=600) for name, p in error_procs.items()}
+    return {"logs": logs, "lm_parts": lm_parts, "lm_two": lm_two, "codes": codes,
+            "error_logs": {name: root / f"{name}.log" for name in errors}}
+
+
+def assert_same_trajectory(log1: Path, log2: Path, keys: tuple[str, ...], updates: int = UPDATES) -> None:
+    r1, r2 = train_records(log1)[:updates], train_records(log2)
+    assert len(r1) == len(r2) == updates, (len(r1), len(r2))
+    for step, (a, b) in enumerate(zip(r1, r2), start=1):
+        for key in keys:
+            x, y = float(a[key]), float(b[key])
+            assert relative_close(x, y, REL), f"update {step} {key}: {x} vs {y}"
+
+
+def test_lm_losses_and_gnorm_equal_single_process(runs):
+    assert_same_trajectory(runs["logs"]["lm1"][0], runs["logs"]["lm2"][0], keys=("loss", "gnorm"))
+
+
+def test_transformer_losses_and_gnorm_equal_single_process(runs):
+    assert_same_trajectory(runs["logs"]["mt1"][0], runs["logs"]["mt2"][0],
+                           keys=("loss", "nll_loss", "gnorm", "accuracy"))
+
+
+def test_data_times_tensor_parallel_on_four_processes(runs):
+    assert_same_trajectory(runs["logs"]["lm1"][0], runs["logs"]["dptp"][0], keys=("loss", "gnorm"),
+                           updates=DP_TP_UPDATES)
+    assert sorted(p.name for p in (runs["root"] / "dptp").glob("checkpoint_last*.pt")) == [
+        "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
+
+
+def test_one_checkpoint_part_per_tensor_parallel_rank(runs):
+    names = sorted(p.name for p in (runs["root"] / "lm2").glob("checkpoint_last*.pt"))
+    assert names == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
+    state = torch.load(runs["root"] / "lm2" / "checkpoint_last-model_part-1.pt", weights_only=True)
+    recorded = state["extra_state"]["ts_tensor_parallel"]
+    assert recorded["size"] == 2 and recorded["rng"], "RNG tracker state missing from the checkpoint"
+    assert state["cfg"]["common"]["model_parallel_size"] == 2
+
+
+def test_reshard_round_trip_gives_identical_parts(evaluations):
+    parts, two = evaluations["lm_parts"], evaluations["lm_two"]
+    for k in range(2):
+        a = torch.load(parts.with_name(f"checkpoint_last-model_part-{k}.pt"), weights_only=True)["model"]
+        b = torch.load(two.with_name(f"checkpoint-model_part-{k}.pt"), weights_only=True)["model"]
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_eval_lm_at_size_two_equals_resharded_size_one(evaluations):
+    pattern = re.compile(r"Loss \(base 2\): ([0-9.]+)")
+    logs = evaluations["logs"]
+    loss2, loss1 = (float(pattern.findall(log.read_text())[-1]) for log in (logs["eval2"][0], logs["eval1"][0]))
+    assert abs(loss2 - loss1) <= 1e-4, (loss2, loss1)
+
+
+def hypotheses(log: Path) -> dict[str, list[tuple[float, str, list[float]]]]:
+    """``{H-id: [(score, text, positional scores), ...]}`` in n-best order."""
+    out: dict[str, list] = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("H-"):
+            key, score, text = line.split("\t")
+            out.setdefault(key, []).append((float(score), text, []))
+        elif line.startswith("P-"):
+            key, scores = line.split("\t")
+            out["H-" + key[2:]][-1][2].extend(float(x) for x in scores.split())
+    return out
+
+
+def test_generate_tensor_parallel_equals_single_process(evaluations):
+    logs = evaluations["logs"]
+    h2, h1 = hypotheses(logs["gen2"][0]), hypotheses(logs["gen1"][0])
+    assert len(h1) >= 8 and h2.keys() == h1.keys()
+    for key in h1:
+        assert len(h1[key]) == len(h2[key]) == 4, key
+        for (s2, t2, p2), (s1, t1, p1) in zip(h2[key], h1[key]):
+            assert t2 == t1, key
+            assert abs(s2 - s1) <= 1e-4, key
+            assert len(p2) == len(p1) and all(abs(a - b) <= 1e-4 for a, b in zip(p2, p1)), key
+    assert hypotheses(logs["gen2"][1]) == {}, "only tensor-parallel rank 0 writes hypotheses"
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("parts_base", "ts-reshard"), ("part_file", "ts-reshard"), ("no_processes", "needs a multi-process run"),
+])
+def test_one_line_errors(evaluations, case, needle):
+    text = evaluations["error_logs"][case].read_text()
+    assert evaluations["codes"][case] == 2, text[-2000:]
+    assert "Traceback" not in text
+    last = text.strip().splitlines()[-1]
+    assert needle in last and last.count("error:") == 1, last

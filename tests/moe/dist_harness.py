@@ -1,0 +1,112 @@
+"""Drive fairseq's real ``Trainer`` on fixed global batches, on 1 process or on W gloo
+processes (each taking its slice of the global batch), and save per update the global
+loss, the gradient norm the trainer clipped with and the logged metrics, and at the end
+the full parameters (expert shards gathered) for comparison.
+
+Usage: ``python -m tests.moe.dist_harness OUT WORLD DATA [extra fairseq flags...]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+USER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "torchscale_fairseq")
+BATCH, LENGTH, UPDATES = 8, 16, 3
+
+
+def global_batches(vocab: int, pad: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(pad + 1, vocab, (BATCH, LENGTH + 1), generator=g) for _ in range(UPDATES)]
+
+
+def sample_of(tokens: torch.Tensor) -> dict:
+    src, tgt = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return {
+        "id": torch.arange(src.size(0)),
+        "net_input": {"src_tokens": src, "src_lengths": torch.full((src.size(0),), src.size(1))},
+        "target": tgt, "ntokens": tgt.numel(), "nsentences": src.size(0),
+    }
+
+
+def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[str]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.logging import metrics
+    from fairseq.trainer import Trainer
+
+    argv = [data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+            "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+            "--decoder-layers", "2", "--tokens-per-sample", str(LENGTH), "--dropout", "0", "--seed", "7",
+            "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "4096", "--distributed-world-size", str(world),
+            "--distributed-backend", "gloo", *extra]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    if world > 1:
+        cfg.distributed_training.distributed_rank = rank
+        cfg.distributed_training.distributed_init_method = f"tcp://127.0.0.1:{port}"
+        distributed_utils.distributed_init(cfg)
+    utils.set_torch_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    trainer = Trainer(cfg, task, model, criterion)
+    dictionary = task.target_dictionary
+    seen = []
+    forward = criterion.forward
+
+    def recording_forward(model, sample, reduce=True):
+        loss, size, log = forward(model, sample, reduce)
+        seen.append(torch.tensor([float(log["loss"]), float(size)], dtype=torch.float64))
+        return loss, size, log
+
+    criterion.forward = recording_forward
+    norms, logged = [], []
+    clip = trainer.clip_grad_norm
+
+    def recording_clip(clip_norm):
+        norm = clip(clip_norm)
+        norms.append(float(norm))
+        return norm
+
+    trainer.clip_grad_norm = recording_clip
+    losses = []
+    per_rank = BATCH // world
+    for tokens in global_batches(len(dictionary), dictionary.pad()):
+        with metrics.aggregate(new_root=True) as agg:
+            trainer.train_step([sample_of(tokens[rank * per_rank:(rank + 1) * per_rank])])
+        logged.append(dict(agg.get_smoothed_values()))
+        total = seen[-1]
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(float(total[0] / total[1]))
+    state = {}
+    for name, p in model.named_parameters():
+        t = p.detach().clone()
+        if getattr(p, "expert", False) and getattr(p, "expert_group", None) is not None:
+            parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(p.expert_group))]
+            torch.distributed.all_gather(parts, t.contiguous(), group=p.expert_group)
+            t = torch.cat(parts)
+        state[name] = t
+    if rank == 0:
+        torch.save({"losses": losses, "norms": norms, "logged": logged, "state": state}, out)
+
+
+def main(argv: list[str]) -> None:
+    out, world, data, extra = argv[0], int(argv[1]), argv[2], argv[3:]
+    port = 20000 + os.getpid() % 20000
+    if world == 1:
+        worker(0, 1, port, out, data, extra)
+    else:
+        mp.spawn(worker, args=(world, port, out, data, extra), nprocs=world)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

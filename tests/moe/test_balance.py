@@ -1,0 +1,56 @@
+"""Balance loss ``E * sum_e f_e p_e`` against hand-computed values; padding excluded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchscale_fairseq.modules.moe.balance import balance_loss
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.layer import MoELayer
+
+
+def test_uniform_routing_gives_one():
+    probs = torch.full((8, 4), 0.25)
+    first = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    assert float(balance_loss(probs, first)) == pytest.approx(1.0)
+
+
+def test_hand_computed_value():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.4, 0.1]])
+    first = probs.argmax(-1)
+    f = [3 / 4, 0.0, 1 / 4]
+    p = [(0.7 + 0.6 + 0.1 + 0.5) / 4, (0.2 + 0.3 + 0.1 + 0.4) / 4, (0.1 + 0.1 + 0.8 + 0.1) / 4]
+    expected = 3 * sum(a * b for a, b in zip(f, p))
+    assert float(balance_loss(probs, first)) == pytest.approx(expected)
+
+
+def test_all_tokens_to_one_expert_gives_e_times_p():
+    probs = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 5)
+    assert float(balance_loss(probs, probs.argmax(-1))) == pytest.approx(4.0)
+
+
+def test_gradient_flows_through_probabilities_only():
+    logits = torch.randn(6, 3, requires_grad=True)
+    probs = torch.softmax(logits, -1)
+    balance_loss(probs, probs.argmax(-1)).backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("router", ["xmoe", "linear"])
+def test_padding_excluded_from_loss_stats_and_output(router):
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, router=router, capacity_factor=0.0,
+                               second_expert_policy="all"), 8, 16)
+    real = torch.randn(1, 5, 8)
+    padded = torch.cat([real, torch.randn(1, 3, 8) * 10], dim=1)
+    mask = torch.tensor([[False] * 5 + [True] * 3])
+    y_real = layer(real)
+    loss_real, stats_real = float(layer.balance_loss), layer.stats
+    y_pad = layer(padded, mask)
+    assert float(layer.balance_loss) == pytest.approx(loss_real, abs=1e-6)
+    assert layer.stats.tokens == stats_real.tokens == 5
+    assert torch.allclose(y_pad[:, :5], y_real, atol=1e-6)
+    assert torch.equal(y_pad[:, 5:], torch.zeros_like(y_pad[:, 5:]))
+    probs = torch.softmax(layer.router(real.reshape(-1, 8)), -1)
+    assert float(layer.balance_loss) == pytest.approx(float(balance_loss(probs, probs.argmax(-1))), abs=1e-6)

@@ -1,0 +1,61 @@
+"""MoE criterions: loss = base + w * S * sum_l L_l, reported loss = base, logged figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.logging import metrics
+
+from tests.cli_utils import USER_DIR
+from tests.moe.dist_harness import sample_of
+
+
+def _build(data, criterion: str, *extra: str):
+    argv = [str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+            "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+            "--decoder-layers", "2", "--tokens-per-sample", "16", "--dropout", "0", "--criterion", criterion,
+            "--optimizer", "adam", *extra]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    return task, task.build_model(cfg.model), task.build_criterion(cfg.criterion)
+
+
+def _sample(task) -> dict:
+    d = task.target_dictionary
+    return sample_of(torch.randint(d.pad() + 1, len(d), (4, 17), generator=torch.Generator().manual_seed(3)))
+
+
+def test_loss_adds_weighted_balance_term_and_reports_base(moe_lm_data):
+    task, model, moe_crit = _build(moe_lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
+                                   "--moe-gate-loss-wt", "0.05")
+    plain = task.build_criterion(convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), [str(moe_lm_data), "--user-dir", USER_DIR, "--task", "language_modeling",
+                                        "--arch", "ts_lm_tiny", "--criterion", "cross_entropy"])).criterion)
+    model.eval()
+    sample = _sample(task)
+    loss, size, log = moe_crit(model, sample)
+    gates = [m.balance_loss for m in model.modules() if hasattr(m, "balance_loss") and m.balance_loss is not None]
+    assert len(gates) == 2
+    base_loss, _, _ = plain(model, sample)
+    assert log["loss"] == pytest.approx(float(base_loss), rel=1e-6)
+    assert float(loss) == pytest.approx(float(base_loss) + 0.05 * size * float(sum(gates)), rel=1e-6)
+    assert log["moe_gate_loss"] == pytest.approx(float(sum(gates)) * size, rel=1e-6)
+    with metrics.aggregate() as agg:
+        type(moe_crit).reduce_metrics([log])
+    values = agg.get_smoothed_values()
+    assert values["moe_gate_loss"] == pytest.approx(float(sum(gates)), abs=1e-4)
+    assert {"moe_cv_dec0", "moe_cv_dec1", "moe_drop", "moe_entropy", "loss", "ppl"} <= set(values)
+    assert 0.0 <= values["moe_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-4
+    assert values["loss"] == pytest.approx(float(base_loss) / size / torch.log(torch.tensor(2.0)).item(), abs=1e-3)
+
+
+def test_dense_model_under_moe_criterion(moe_lm_data):
+    task, model, crit = _build(moe_lm_data, "moe_cross_entropy")
+    loss, _, log = crit(model, _sample(task))
+    assert torch.isfinite(loss) and log["moe_gate_loss"] == 0.0
+    with metrics.aggregate() as agg:
+        type(crit).reduce_metrics([log])
+    assert agg.get_smoothed_values()["moe_gate_loss"] == 0.0

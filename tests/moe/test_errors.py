@@ -1,0 +1,77 @@
+"""Bad input gives one-line :class:`TsConfigError` s before training starts."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+import torch
+
+from tests.cli_utils import USER_DIR, run, tool
+from torchscale_fairseq.cli.consolidate_experts import consolidate
+from torchscale_fairseq.criterions.moe_terms import moe_layers
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.moe.config import moe_config_from_args
+from torchscale_fairseq.modules.moe.groups import expert_layout
+
+
+def _args(**kw) -> Namespace:
+    base = {"moe_expert_count": 4, "moe_freq": 2, "moe_top_k": 2, "moe_router": "xmoe"}
+    base.update(kw)
+    return Namespace(**base)
+
+
+def test_expert_count_incompatible_with_world_size():
+    assert expert_layout(4, 8) == (4, 2)
+    assert expert_layout(8, 4) == (4, 1)
+    with pytest.raises(TsConfigError, match="not compatible with 4 data-parallel ranks"):
+        expert_layout(4, 6)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"moe_top_k": 2, "moe_expert_count": 1}, "larger than --moe-expert-count"),
+    ({"moe_freq": 0}, "--moe-freq 0 must be positive"),
+    ({"moe_freq": -1}, "--moe-freq -1 must be positive"),
+    ({"moe_expert_count": -2}, "negative"),
+])
+def test_flag_errors(kw, match):
+    with pytest.raises(TsConfigError, match=match):
+        moe_config_from_args(_args(**kw))
+
+
+def test_moe_criterion_needs_moe_aware_model():
+    with pytest.raises(TsConfigError, match="MoE-aware"):
+        moe_layers(torch.nn.Linear(2, 2), "moe_cross_entropy")
+
+
+def _shard(rank: int, updates: int = 5, dense: float = 0.0) -> dict:
+    return {
+        "cfg": {"model": {"moe_expert_count": 4, "_name": "ts_lm"},
+                "distributed_training": {"distributed_rank": rank, "distributed_world_size": 2}},
+        "optimizer_history": [{"num_updates": updates}],
+        "model": {"decoder.w": torch.full((2,), dense),
+                  "decoder.layers.1.ffn.experts.fc1_weight": torch.full((2, 3), float(rank))},
+    }
+
+
+def test_consolidation_merges_and_refuses_mismatched_shards():
+    merged = consolidate([_shard(1), _shard(0)], ["s1", "s0"])
+    assert merged["model"]["decoder.layers.1.ffn.experts.fc1_weight"][:, 0].tolist() == [0, 0, 1, 1]
+    assert merged["cfg"]["distributed_training"]["distributed_world_size"] == 1
+    with pytest.raises(TsConfigError, match="different runs or steps"):
+        consolidate([_shard(0), _shard(1, updates=6)], ["a", "b"])
+    with pytest.raises(TsConfigError, match="dense weight decoder.w: shards from different runs"):
+        consolidate([_shard(0), _shard(1, dense=1.0)], ["a", "b"])
+    with pytest.raises(TsConfigError, match="both rank 0"):
+        consolidate([_shard(0), _shard(0)], ["a", "b"])
+    with pytest.raises(TsConfigError, match="one of 2 shards but 1 were given"):
+        consolidate([_shard(0)], ["a"])
+
+
+def test_cli_prints_one_line(tmp_path, moe_lm_data):
+    proc = run([tool("fairseq-train"), moe_lm_data, "--user-dir", USER_DIR, "--task", "language_modeling",
+                "--arch", "ts_lm_tiny", "--cpu", "--moe-expert-count", "2", "--moe-top-k", "3",
+                "--optimizer", "adam", "--max-tokens", "256", "--save-dir", tmp_path], check=False)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert errors == ["fairseq-train: error: --moe-top-k 3 is not supported: use 1 or 2"], proc.stderr[-2000:]

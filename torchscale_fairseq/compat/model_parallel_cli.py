@@ -1,0 +1,76 @@
+"""``fairseq-generate`` and ``fairseq-eval-lm`` with ``--model-parallel-size N``.
+
+Stock ``generate`` never initialises torch.distributed and both tools shard the data
+by *global* rank. Our ``main`` wrapper initialises it (same flags as training: one
+process per rank with ``--distributed-world-size/--distributed-rank/
+--distributed-init-method --distributed-no-spawn``, or torchrun), shards the data by
+*data-parallel* rank so the ranks of a tensor-parallel group decode the same batches in
+lockstep, and lets only tensor-parallel rank 0 write hypotheses (stdout or
+``--results-path``). Logits are gathered over the vocabulary only where search needs
+them (``get_normalized_probs`` of the last position).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from argparse import Namespace
+
+import torch.distributed as dist
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.distributed import utils as distributed_utils
+from omegaconf import open_dict
+
+from torchscale_fairseq.model_parallel import process_groups as groups
+
+_WRAPPED = "_ts_model_parallel_main"
+
+
+def _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs):
+    dt = cfg.distributed_training
+    saved = (dt.distributed_world_size, dt.distributed_rank, cfg.common_eval.results_path)
+    quiet = groups.get_tensor_parallel_rank() > 0
+    with open_dict(cfg):
+        dt.distributed_world_size = groups.get_data_parallel_world_size()
+        dt.distributed_rank = groups.get_data_parallel_rank()
+        if quiet:
+            cfg.common_eval.results_path = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if quiet:
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            return stock_main(cfg, **kwargs)
+    finally:
+        with open_dict(cfg):
+            dt.distributed_world_size, dt.distributed_rank, cfg.common_eval.results_path = saved
+
+
+def _wrap(stock_main):
+    @functools.wraps(stock_main)
+    def main(cfg, **kwargs):
+        if isinstance(cfg, Namespace):
+            cfg = convert_namespace_to_omegaconf(cfg)
+        if cfg.common.model_parallel_size <= 1:
+            return stock_main(cfg, **kwargs)
+        if not dist.is_initialized():
+            return distributed_utils.call_main(cfg, main, **kwargs)
+        return _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs)
+
+    setattr(main, _WRAPPED, True)
+    return main
+
+
+def patch_generate_and_eval_lm() -> None:
+    """Wrap ``main`` of ``fairseq_cli.generate`` / ``fairseq_cli.eval_lm`` when that tool
+    is running (its ``cli_main`` looks ``main`` up after importing the plugin). Modules
+    not yet imported are left alone (``eval_lm`` configures logging on import)."""
+    names = ("fairseq_cli.generate", "fairseq_cli.eval_lm")
+    modules = [sys.modules.get(name) for name in names]
+    entry = sys.modules.get("__main__")
+    if getattr(getattr(entry, "__spec__", None), "name", None) in names:
+        modules.append(entry)
+    for module in modules:
+        if module is not None and hasattr(module, "main") and not getattr(module.main, _WRAPPED, False):
+            module.main = _wrap(module.main)

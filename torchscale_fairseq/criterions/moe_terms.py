@@ -1,0 +1,82 @@
+"""What every MoE criterion adds to its base loss, and what it logs.
+
+``loss = base + w * S * sum_l L_l`` with ``w`` = ``--moe-gate-loss-wt`` (paper: 0.01),
+``L_l`` the balance loss of MoE layer ``l`` and ``S`` the sample size of the global
+batch (fairseq divides the summed gradients by it, so the balance term keeps weight
+``w`` whatever the batch). Under expert parallelism ``L_l`` is this rank's share of the
+global-batch loss (:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed
+over the data-parallel ranks. The reported ``loss``/``ppl`` stay the base ones;
+``moe_gate_loss`` (``sum_l L_l``), per-layer expert load CV (``moe_cv_<layer>``),
+``moe_drop`` (fraction of dropped assignments) and ``moe_entropy`` (mean routing
+entropy per token, nats) are logged beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fairseq.logging import metrics
+
+from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.moe.layer import MoELayer
+
+
+def moe_layers(model: torch.nn.Module, criterion: str) -> list[MoELayer]:
+    """The MoE layers of a ts model (none for a dense one); error for other models."""
+    layers, aware = [], False
+    for module in model.modules():
+        aware = aware or isinstance(module, TransformerLayer)
+        if isinstance(module, MoELayer):
+            layers.append(module)
+    if not aware:
+        raise TsConfigError(
+            f"--criterion {criterion} needs a model with MoE-aware outputs (ts_lm, ts_transformer, ts_mlm); "
+            f"{type(model).__name__} has none: use a ts model or the plain criterion"
+        )
+    return layers
+
+
+def _global_sample_size(layers: list[MoELayer], sample_size: Any) -> torch.Tensor:
+    size = torch.as_tensor(sample_size, dtype=torch.float32).clone()
+    group = layers[0].parallel.data_parallel_group if layers else None
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(size, group=group)
+    return size
+
+
+def add_moe_terms(model: torch.nn.Module, criterion: str, weight: float, loss: torch.Tensor,
+                  sample_size: Any, logging_output: dict) -> torch.Tensor:
+    """``loss + w * S * sum_l L_l``; fills ``logging_output`` with the MoE figures."""
+    layers = [m for m in moe_layers(model, criterion) if m.balance_loss is not None]
+    if not layers:
+        logging_output["moe_gate_loss"] = 0.0
+        return loss
+    total = _global_sample_size(layers, sample_size)
+    gate = torch.stack([m.balance_loss for m in layers]).sum()
+    logging_output["moe_gate_loss"] = float(gate.detach()) * float(total)
+    logging_output["moe_layers"] = 1
+    for m in layers:
+        logging_output[f"moe_cv_{m.tag}"] = m.stats.load_cv
+    logging_output["moe_dropped"] = sum(m.stats.dropped for m in layers)
+    logging_output["moe_routed"] = sum(m.stats.routed for m in layers)
+    logging_output["moe_entropy_sum"] = sum(m.stats.entropy_sum for m in layers)
+    logging_output["moe_tokens"] = sum(m.stats.tokens for m in layers)
+    return loss + weight * total.to(loss.dtype) * gate.to(loss.dtype)
+
+
+def reduce_moe_metrics(logging_outputs: list[dict]) -> None:
+    def total(key: str) -> float:
+        return sum(float(log.get(key, 0)) for log in logging_outputs)
+
+    sample_size = total("sample_size")
+    metrics.log_scalar("moe_gate_loss", total("moe_gate_loss") / max(sample_size, 1.0), sample_size, round=4)
+    n = total("moe_layers")
+    if n == 0:
+        return
+    for key in sorted({k for log in logging_outputs for k in log if k.startswith("moe_cv_")}):
+        metrics.log_scalar(key, total(key) / n, n, round=3)
+    metrics.log_scalar("moe_drop", total("moe_dropped") / max(total("moe_routed"), 1.0), n, round=4)
+    metrics.log_scalar("moe_entropy", total("moe_entropy_sum") / max(total("moe_tokens"), 1.0), n, round=4)

@@ -1,0 +1,76 @@
+"""MoE settings of one stack, read from fairseq args, with the one-line flag checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchscale_fairseq.errors import TsConfigError
+
+ROUTERS = ("xmoe", "linear", "expert_choice")
+SECOND_EXPERT_POLICIES = ("sampling", "all", "random")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    expert_count: int
+    freq: int = 2
+    top_k: int = 2
+    router: str = "xmoe"
+    router_dim: int = 16
+    gate_noise: float = 0.0
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 0.0
+    second_expert_policy: str = "sampling"
+    normalize_gate_prob_before_dropping: bool = False
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
+        return self.expert_count > 0 and (index + 1) % self.freq == 0
+
+
+def moe_config_from_args(args: Any) -> MoEConfig | None:
+    """``None`` for a dense model; raises :class:`TsConfigError` on bad flags."""
+    count = getattr(args, "moe_expert_count", 0) or 0
+    if count < 0:
+        raise TsConfigError(f"--moe-expert-count {count} is negative: use 0 (dense) or a positive expert count")
+    if count == 0:
+        return None
+    cfg = MoEConfig(
+        expert_count=count,
+        freq=getattr(args, "moe_freq", 2),
+        top_k=getattr(args, "moe_top_k", 2),
+        router=str(getattr(args, "moe_router", "xmoe")),
+        router_dim=getattr(args, "moe_router_dim", 16),
+        gate_noise=getattr(args, "moe_gate_noise", 0.0),
+        capacity_factor=getattr(args, "moe_capacity_factor", 1.25),
+        eval_capacity_factor=getattr(args, "moe_eval_capacity_factor", 0.0),
+        second_expert_policy=str(getattr(args, "moe_second_expert_policy", "sampling")),
+        normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
+    )
+    check_moe_config(cfg)
+    return cfg
+
+
+def check_moe_config(cfg: MoEConfig) -> None:
+    if cfg.freq <= 0:
+        raise TsConfigError(f"--moe-freq {cfg.freq} must be positive: use 1 (every FFN) or 2 (every second FFN)")
+    if cfg.top_k not in (1, 2):
+        raise TsConfigError(f"--moe-top-k {cfg.top_k} is not supported: use 1 or 2")
+    if cfg.top_k > cfg.expert_count:
+        raise TsConfigError(
+            f"--moe-top-k {cfg.top_k} is larger than --moe-expert-count {cfg.expert_count}: lower top-k or add experts"
+        )
+    if cfg.router not in ROUTERS:
+        raise TsConfigError(f"--moe-router {cfg.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
+    if cfg.second_expert_policy not in SECOND_EXPERT_POLICIES:
+        raise TsConfigError(
+            f"--moe-second-expert-policy {cfg.second_expert_policy!r} is unknown: "
+            f"choose one of {', '.join(SECOND_EXPERT_POLICIES)}"
+        )
+    if cfg.router_dim <= 0:
+        raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")
+    if cfg.gate_noise < 0:
+        raise TsConfigError(f"--moe-gate-noise {cfg.gate_noise} must be >= 0")
+    if cfg.router == "expert_choice" and cfg.capacity_factor <= 0:
+        raise TsConfigError("--moe-router expert_choice needs --moe-capacity-factor > 0 (tokens each expert takes)")

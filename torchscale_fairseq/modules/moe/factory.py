@@ -1,0 +1,20 @@
+"""Which FFN a layer gets: an :class:`MoELayer` in every ``moe_freq``-th layer of an MoE
+stack (paper: every second layer), ``None`` (the dense default) elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from torchscale_fairseq.modules.moe.layer import MoELayer
+
+
+def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
+    """``cfg``: a :class:`~torchscale_fairseq.architecture.config.StackConfig`."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None or not moe.is_moe_layer(index):
+        return None
+    b = cfg.backbone
+    return MoELayer(moe, cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain,
+                    cfg.layernorm_eps, tag=tag)

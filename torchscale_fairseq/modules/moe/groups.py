@@ -1,0 +1,92 @@
+"""Expert-parallel layout over the data-parallel ranks (experts stay whole under tensor
+parallelism: the ranks of one tensor-parallel group hold the same experts).
+
+With ``W`` data-parallel ranks and ``E`` experts:
+- ``E`` a multiple of ``W``: one all-to-all group of all ``W`` ranks, ``E / W`` experts
+  per rank (rank ``r`` holds experts ``r E/W ... (r+1) E/W - 1``), no replicas;
+- ``W`` a multiple of ``E``: all-to-all groups of ``E`` consecutive data-parallel ranks,
+  one expert per rank; the ranks at the same position of each group hold replicas of
+  the same expert (the replica group, over which its gradients are summed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.process_groups import (
+    get_data_parallel_group,
+    get_tensor_parallel_world_size,
+    tensor_parallel_groups_layout,
+)
+
+
+@dataclass
+class ExpertParallel:
+    num_experts: int
+    local_experts: int
+    first_expert: int
+    world: int = 1
+    rank: int = 0
+    group: object | None = None
+    replica_group: object | None = None
+    data_parallel_group: object | None = None
+    data_parallel_size: int = 1
+
+
+_CACHE: dict[int, ExpertParallel] = {}
+
+
+def expert_layout(world: int, num_experts: int) -> tuple[int, int]:
+    """``(all-to-all group size, experts per rank)``; one-line error when incompatible."""
+    if num_experts % world == 0:
+        return world, num_experts // world
+    if world % num_experts == 0:
+        return num_experts, 1
+    raise TsConfigError(
+        f"--moe-expert-count {num_experts} is not compatible with {world} data-parallel ranks: "
+        "use an expert count that is a multiple or a divisor of the data-parallel world size"
+    )
+
+
+def _data_parallel_layout() -> list[list[int]]:
+    world = dist.get_world_size()
+    return tensor_parallel_groups_layout(world, get_tensor_parallel_world_size())[1]
+
+
+def get_expert_parallel(num_experts: int) -> ExpertParallel:
+    """The layout for ``num_experts`` (groups are created once, by every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ExpertParallel(num_experts, num_experts, 0)
+    if num_experts in _CACHE:
+        return _CACHE[num_experts]
+    me = dist.get_rank()
+    dp_layout = _data_parallel_layout()
+    size = len(dp_layout[0])
+    a2a_size, local = expert_layout(size, num_experts)
+    result = None
+    for dp_ranks in dp_layout:
+        blocks = [dp_ranks[i: i + a2a_size] for i in range(0, size, a2a_size)]
+        a2a_groups = [dist.new_group(b) if len(blocks) > 1 else None for b in blocks]
+        replica_sets = [dp_ranks[j::a2a_size] for j in range(a2a_size)]
+        replica_groups = [dist.new_group(r) if len(r) > 1 else None for r in replica_sets]
+        if me not in dp_ranks:
+            continue
+        pos = dp_ranks.index(me)
+        block = pos // a2a_size
+        a2a_rank = pos % a2a_size
+        dp_group = get_data_parallel_group() or dist.group.WORLD
+        a2a_group = a2a_groups[block] if len(blocks) > 1 else dp_group
+        result = ExpertParallel(
+            num_experts, local, a2a_rank * local, a2a_size, a2a_rank,
+            a2a_group if a2a_size > 1 else None, replica_groups[a2a_rank], dp_group, size,
+        )
+    _CACHE[num_experts] = result
+    return result
+
+
+def reset_expert_parallel() -> None:
+    """Forget cached groups (tests that build several configurations in one process)."""
+    _CACHE.clear()
