@@ -18,5 +18,6 @@ setup(
     entry_points={"console_scripts": [
         "ts-reshard = torchscale_fairseq.cli.reshard:main",
         "ts-consolidate-experts = torchscale_fairseq.cli.consolidate_experts:main",
+        "ts-plot-logs = torchscale_fairseq.cli.plot_logs:main",
     ]},
 )

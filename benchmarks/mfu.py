@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-tokens", type=int, default=100000, help="synthetic corpus: training words")
     p.add_argument("--tokens-per-sample", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-update", type=int, default=3, help="updates per training run")
+    p.add_argument("--max-update", type=int, default=2, help="updates per training run")
     p.add_argument("--skip-logs", type=int, default=1, help="warm-up updates dropped per run")
     p.add_argument("--rounds", type=int, default=3, help="rounds of (GEMM peak, training run)")
     p.add_argument("--gemm", default="1024x4096x4096", help="MxKxN of the peak GEMM (M x K @ K x N)")

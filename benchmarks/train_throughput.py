@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--synthetic", action="store_true", help="use the synthetic corpus even if --data/default exists")
     p.add_argument("--vocab", type=int, default=10000, help="synthetic corpus: number of distinct words")
     p.add_argument("--train-tokens", type=int, default=400000, help="synthetic corpus: training words")
-    p.add_argument("--max-update", type=int, default=20, help="updates per run")
+    p.add_argument("--max-update", type=int, default=15, help="updates per run")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--skip-logs", type=int, default=1, help="warm-up train_inner records dropped per run")
     p.add_argument("--rounds", type=int, default=3, help="alternating ours/stock rounds")

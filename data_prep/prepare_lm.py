@@ -1,9 +1,11 @@
 """Prepare a GPT-2-BPE language-modelling dataset for fairseq (``--task language_modeling``).
 
 Corpus: by default the English Wikipedia excerpt shipped in gensim's test data, cleaned
-by :mod:`data_prep.wiki_text`; or your own raw text with ``--train-text`` (and optionally
-``--valid-text``/``--test-text``): one paragraph per line, documents separated by blank
-lines.
+by :mod:`data_prep.wiki_text`; with ``--corpus web`` the World English Bible (Debian
+``sword-text-web``, read by :mod:`data_prep.sword`: one document per chapter, one verse per
+line, in canonical order, deuterocanon included); or your own raw text with ``--train-text``
+(and optionally ``--valid-text``/``--test-text``): one paragraph per line, documents
+separated by blank lines.
 
 Split (deterministic, by document, in corpus order) when no explicit valid/test files are
 given: with ``n`` documents, the last ``max(1, round(n * test_fraction))`` are the test set,
@@ -37,6 +39,7 @@ if __package__ in (None, ""):  # run as ``python data_prep/prepare_lm.py``
 
 import tiktoken
 
+from data_prep import sword
 from data_prep.wiki_text import find_gensim_wiki_dump, wiki_documents
 
 SPLITS = ("train", "valid", "test")
@@ -48,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"output directory (default {DEFAULT_OUT_DIR})")
+    parser.add_argument("--corpus", choices=("wiki", "web"), default="wiki",
+                        help="embedded corpus: gensim's Wikipedia excerpt (default) or the World English Bible")
+    parser.add_argument("--sword-path", help="SWORD library root for --corpus web (default /usr/share/sword)")
     parser.add_argument("--wiki-dump", help="MediaWiki XML dump (.xml or .xml.bz2); default: gensim's excerpt")
     parser.add_argument("--train-text", help="your own training text instead of Wikipedia")
     parser.add_argument("--valid-text", help="your own validation text (needs --train-text and --test-text)")
@@ -130,6 +136,8 @@ def load_corpus(args: argparse.Namespace) -> dict[str, list[Document]]:
         raise SystemExit("error: --valid-text and --test-text go together, and with --train-text")
     if args.train_text and args.wiki_dump:
         raise SystemExit("error: give either --train-text or --wiki-dump, not both")
+    if args.corpus == "web" and (args.train_text or args.wiki_dump):
+        raise SystemExit("error: --corpus web reads the World English Bible; drop --train-text/--wiki-dump")
     if all(explicit):
         return {
             split: _check_user_file(f"--{split}-text", getattr(args, f"{split}_text"), args.max_docs)
@@ -137,6 +145,11 @@ def load_corpus(args: argparse.Namespace) -> dict[str, list[Document]]:
         }
     if args.train_text:
         docs = _check_user_file("--train-text", args.train_text, args.max_docs)
+    elif args.corpus == "web":
+        try:
+            docs = sword.chapter_documents("web", args.sword_path)[: args.max_docs]
+        except sword.SwordModuleError as err:
+            raise SystemExit(f"error: {err}") from err
     else:
         try:
             dump = Path(args.wiki_dump) if args.wiki_dump else find_gensim_wiki_dump()

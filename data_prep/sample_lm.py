@@ -93,7 +93,9 @@ def continue_prompt(
     return gpt2_bpe.decode(ids[len(prompt_ids) :])
 
 
-def load_lm(checkpoint_dir: str, data: str, checkpoint_file: str = "checkpoint_best.pt", user_dir: str = str(USER_DIR)) -> Any:
+def load_lm(
+    checkpoint_dir: str, data: str, checkpoint_file: str = "checkpoint_best.pt", user_dir: str = str(USER_DIR)
+) -> Any:
     """The hub interface (``GeneratorHubInterface``) of a trained ``TsLanguageModel``, on CPU, in eval mode."""
     checkpoint = Path(checkpoint_dir) / checkpoint_file
     if not checkpoint.is_file():

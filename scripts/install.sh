@@ -11,6 +11,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[install] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
+# Offline corpora: SWORD Bible modules (KJV, Reina-Valera 1909, World English Bible) from Debian,
+# installed only when missing and only where apt-get is available (as root, or through sudo).
+SWORD_ZTEXT="${SWORD_PATH:-/usr/share/sword}/modules/texts/ztext"
+if { [ ! -d "$SWORD_ZTEXT/engKJV2006eb" ] || [ ! -d "$SWORD_ZTEXT/spaRV1909eb" ] || [ ! -d "$SWORD_ZTEXT/engWEB2015eb" ]; } \
+    && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  echo "[install] Debian packages sword-text-kjv sword-text-sparv sword-text-web"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+    sword-text-kjv sword-text-sparv sword-text-web \
+    || echo "[install] warning: could not install the SWORD modules; the NMT data and --corpus web need them" >&2
+fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 STAMP="$VENV/.torchscale_fairseq_installed"
 HASH="$(cat "$ROOT/setup.py" "$ROOT/scripts/install.sh" | sha256sum | cut -c1-16)"
@@ -34,7 +45,7 @@ fi
 # Offline assets: GPT-2 BPE ranks (openai-whisper ships them) and the gensim Wikipedia excerpt.
 # Installed without dependencies: only their data files are used, found without importing them.
 "${PIP[@]}" install --no-deps "openai-whisper==20250625" "gensim==4.4.0"
-echo "[install] torchscale-fairseq (editable, with test extra)"
-"${PIP[@]}" install --no-build-isolation -e "$ROOT[test]"
+echo "[install] torchscale-fairseq (editable, with test and plots extras)"
+"${PIP[@]}" install --no-build-isolation -e "$ROOT[test,plots]"
 echo "$HASH" > "$STAMP"
 echo "[install] done: $("$VENV/bin/python" -c 'import torch, fairseq; print("torch", torch.__version__, "fairseq", fairseq.__version__)')"

@@ -20,11 +20,16 @@ def tool(name: str) -> str:
     return str(BIN / name)
 
 
+def cli_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of every test run: one thread, so results are bitwise repeatable."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(extra or {}))
+
+
 def run(cmd: Sequence[str], cwd: Optional[Path] = None, check: bool = True, timeout: int = 600,
         env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run a command; on failure raise with its output (tail) in the message."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.run(list(map(str, cmd)), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.run(list(map(str, cmd)), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=cli_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -7,6 +7,8 @@ fairseq and applies the compatibility fixes in :mod:`torchscale_fairseq.compat`.
 
 from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
 from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
+from torchscale_fairseq.compat.checkpoint_writes import patch_checkpoint_writes
+from torchscale_fairseq.compat.nonfinite_skip import patch_nonfinite_skip
 from torchscale_fairseq.compat.model_parallel_init import patch_fairseq_model_parallel
 from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
 from torchscale_fairseq.errors import install_excepthook
@@ -15,6 +17,8 @@ from torchscale_fairseq.compat.expert_checkpoints import patch_trainer_expert_ch
 from torchscale_fairseq.modules.moe.grad_sync import patch_distributed_wrapper
 
 patch_numpy_compat()
+patch_checkpoint_writes()
+patch_nonfinite_skip()
 register_safe_globals()
 patch_fairseq_distributed()
 patch_fairseq_model_parallel()
@@ -25,4 +29,6 @@ patch_distributed_wrapper()
 
 from torchscale_fairseq import models  # noqa: E402,F401  (registers ts_lm, ts_transformer, ts_mlm)
 from torchscale_fairseq.criterions import moe_criterions  # noqa: E402,F401  (registers the moe_* criterions)
+from torchscale_fairseq.encoders import tiktoken_gpt2  # noqa: E402,F401  (registers --bpe tiktoken_gpt2)
 from torchscale_fairseq.optim import sparse_clip  # noqa: E402,F401  (registers --optimizer sparse_clip)
+from torchscale_fairseq.tasks import streaming_lm  # noqa: E402,F401  (registers --task streaming_lm)

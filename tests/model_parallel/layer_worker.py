@@ -84,9 +84,16 @@ def check_column(dense_cl: ColumnParallelLinear, world: int) -> dict[str, float]
     y_ref.backward(grad_out)
     y_par = par(x_par)
     y_par.backward(shard_of(grad_out, 2, 3))
+    gathering = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3, gather_output=True))
+    gathering.bias.data.copy_(par.bias)
+    x_g = randn(1, B, T, 16).requires_grad_()
+    y_g = gathering(x_g)
+    y_g.backward(grad_out)
     return {
         "weight": err(par.weight, shard_of(dense_cl.weight, 0, 3)),
         "out": err(y_par, shard_of(y_ref.detach(), 2, 3)),
+        "gathered_out": err(y_g, y_ref),
+        "gathered_grad_x": err(x_g.grad, x_ref.grad),
         "grad_x": err(x_par.grad, x_ref.grad),
         "grad_params": param_grad_errors(par, {"weight": ref.weight.grad, "bias": ref.bias.grad}),
     }

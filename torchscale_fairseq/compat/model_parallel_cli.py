@@ -23,6 +23,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from omegaconf import open_dict
 
+from torchscale_fairseq.compat.model_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel import process_groups as groups
 
 _WRAPPED = "_ts_model_parallel_main"
@@ -55,6 +56,10 @@ def _wrap(stock_main):
         if cfg.common.model_parallel_size <= 1:
             return stock_main(cfg, **kwargs)
         if not dist.is_initialized():
+            if cfg.distributed_training.distributed_init_method is None:
+                distributed_utils.infer_init_method(cfg.distributed_training)
+            if cfg.distributed_training.distributed_init_method is None:
+                raise multi_process_error(cfg.common.model_parallel_size)
             return distributed_utils.call_main(cfg, main, **kwargs)
         return _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs)
 

@@ -24,6 +24,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from omegaconf import open_dict
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
 
@@ -56,6 +57,15 @@ def distributed_init(cfg) -> int:
     with open_dict(cfg):
         cfg.checkpoint.checkpoint_suffix += f"-model_part-{groups.get_tensor_parallel_rank()}"
     return rank
+
+
+def multi_process_error(size: int) -> TsConfigError:
+    """The one-line error for ``--model-parallel-size N`` in a single process."""
+    return TsConfigError(
+        f"--model-parallel-size {size} needs a multi-process run: launch {size} (or a multiple) processes "
+        "with torchrun, or pass --distributed-world-size/--distributed-rank/--distributed-init-method "
+        "(--distributed-no-spawn on CPU)"
+    )
 
 
 def get_data_parallel_group():

@@ -21,7 +21,7 @@ import sys
 from fairseq.model_parallel import megatron_trainer
 from fairseq.trainer import Trainer
 
-from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.compat.model_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.partition import layout
 from torchscale_fairseq.model_parallel.process_groups import (
     get_tensor_parallel_world_size,
@@ -37,12 +37,7 @@ class ModelParallelTrainer(Trainer):
 
     def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
         if not model_parallel_is_initialized():
-            size = cfg.common.model_parallel_size
-            raise TsConfigError(
-                f"--model-parallel-size {size} needs a multi-process run: launch {size} (or a multiple) "
-                "processes with torchrun, or pass --distributed-world-size/--distributed-rank/"
-                "--distributed-init-method"
-            )
+            raise multi_process_error(cfg.common.model_parallel_size)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
 
     def load_checkpoint(self, filename, *args, **kwargs):

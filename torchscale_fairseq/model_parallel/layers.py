@@ -83,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         n = get_tensor_parallel_world_size()
         divide(out_features // stride, n, what)
         self.in_features, self.out_features = in_features, out_features
-        self.gather_output = gather_output
+        self.gather_output, self.stride = gather_output, stride
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _sharded_parameter(full, 0, stride)
@@ -91,7 +91,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
-        return gather_from_tensor_parallel_region(y) if self.gather_output else y
+        n = get_tensor_parallel_world_size()
+        if not self.gather_output or n == 1:
+            return y
+        y = gather_from_tensor_parallel_region(y)
+        if self.stride > 1:
+            # ranks' [block_0 .. block_{k-1}] slices -> [block_0 of all ranks, ...]
+            y = y.unflatten(-1, (n, self.stride, -1)).transpose(-3, -2).flatten(-3)
+        return y
 
 
 class RowParallelLinear(nn.Module):

@@ -33,11 +33,13 @@ import torch
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.logging import metrics
 from fairseq.optim import (
+    OPTIMIZER_DATACLASS_REGISTRY,
     OPTIMIZER_REGISTRY,
     FairseqOptimizer,
     build_optimizer,
     register_optimizer,
 )
+from omegaconf import OmegaConf, open_dict
 
 from torchscale_fairseq.compat.grad_norm_clip import _views as flat_master_views
 from torchscale_fairseq.errors import TsConfigError
@@ -71,6 +73,25 @@ def check_base(name: str) -> None:
         raise TsConfigError(f"--sparse-clip-base {name!r} is not a fairseq optimizer to wrap: choose one of {choices}")
 
 
+def base_config(args) -> object:
+    """The base optimizer's config from the flat flags: a DictConfig of its dataclass
+    (as fairseq builds it, so tuples become lists) or, for a legacy optimizer, the flags."""
+    name = args.sparse_clip_base
+    dc = OPTIMIZER_DATACLASS_REGISTRY.get(name)
+    if dc is None:
+        legacy = copy.copy(args)
+        legacy.optimizer = legacy._name = name
+        return legacy
+    values = dc.from_namespace(args)
+    for key, value in vars(values).items():
+        if isinstance(value, str) and value.startswith("${"):
+            setattr(values, key, getattr(args, value[2:-1].split(".")[-1], None))
+    cfg = OmegaConf.structured(values)
+    with open_dict(cfg):
+        cfg._name = name
+    return cfg
+
+
 def sparse_clip_kappa(expert_count: int, override: float | None = None) -> float:
     """``1/sqrt(E)`` (paper eq. 4), 1 without experts; ``override`` when given (>= 0)."""
     if override is not None and override >= 0:
@@ -88,10 +109,7 @@ class SparseClip(FairseqOptimizer):
     def __init__(self, args, params) -> None:
         super().__init__(args)
         check_base(args.sparse_clip_base)
-        base_args = copy.copy(args)
-        base_args.optimizer = args.sparse_clip_base
-        base_args._name = args.sparse_clip_base
-        self.base = build_optimizer(base_args, params)
+        self.base = build_optimizer(base_config(args), params)
         self._optimizer = self.base.optimizer
         self.kappa = sparse_clip_kappa(getattr(args, "moe_expert_count", 0) or 0, args.sparse_clip_kappa)
 

@@ -27,7 +27,7 @@ class XMoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
-            tokens = F.normalize(self.proj(x.float()), p=2.0, dim=-1, eps=1e-4)
+            tokens = F.normalize(F.linear(x.float(), self.proj.weight.float()), p=2.0, dim=-1, eps=1e-4)
             experts = F.normalize(self.expert_embeddings.float(), p=2.0, dim=-1, eps=1e-4)
             tau = self.log_temperature.float().exp().clamp(min=self.min_temperature)
             return tokens @ experts.t() / tau

@@ -1,0 +1,135 @@
+"""Where the time goes: torch.profiler op tables of one model's training step or of its
+beam search, to read next to the throughput/MFU/generation benchmarks. Prints the ops by
+self CPU time, then grouped by input shape (which names the layer: e.g. a LayerNorm over
+the FFN width is Magneto's Sub-LN in ``modules/feedforward.py``).
+
+    # training step of ts_lm_large (4096 tokens), synthetic 10k vocabulary, no data needed
+    .venv/bin/python benchmarks/profile_ops.py train --model-args "--arch ts_lm_large" \
+        --tokens-per-sample 512 --batch-size 8
+    # the same for the stock model of benchmarks/train_throughput.py
+    .venv/bin/python benchmarks/profile_ops.py train --model-args "--arch transformer_lm --decoder-layers 6 \
+        --decoder-embed-dim 512 --decoder-attention-heads 8 --decoder-ffn-embed-dim 2048"
+    # beam search of a checkpoint (e.g. one left by benchmarks/generation.py --workdir W)
+    .venv/bin/python benchmarks/profile_ops.py generate --data W/data-bin --path W/ckpt_ours/checkpoint_last.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from argparse import Namespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from _common import USER_DIR
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train", help="one training step (forward, backward, grad norm, Adam)")
+    t.add_argument("--model-args", default="--arch ts_lm_large --backbone magneto")
+    t.add_argument("--vocab", type=int, default=10000)
+    t.add_argument("--tokens-per-sample", type=int, default=256)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--steps", type=int, default=1, help="profiled steps (after one warm-up step)")
+    g = sub.add_parser("generate", help="beam search on the test split")
+    g.add_argument("--data", required=True)
+    g.add_argument("--path", required=True)
+    g.add_argument("--beam", type=int, default=5)
+    g.add_argument("--length", type=int, default=20)
+    g.add_argument("--batch-size", type=int, default=25)
+    g.add_argument("--batches", type=int, default=1)
+    p.add_argument("--rows", type=int, default=30)
+    return p.parse_args(argv)
+
+
+def _import_plugin() -> None:
+    from fairseq import utils
+    utils.import_user_module(Namespace(user_dir=str(USER_DIR)))
+
+
+def train_step_fn(args):
+    from fairseq import optim, options
+    from fairseq.data import Dictionary
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    _import_plugin()
+    parser = options.get_training_parser()
+    argv = ["DUMMY", "--user-dir", str(USER_DIR), "--task", "language_modeling", "--cpu",
+            "--tokens-per-sample", str(args.tokens_per_sample), "--sample-break-mode", "none",
+            "--share-decoder-input-output-embed", "--dropout", "0.1", "--optimizer", "adam", "--lr", "5e-4",
+            *shlex.split(args.model_args)]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
+    dictionary = Dictionary()
+    for i in range(args.vocab):
+        dictionary.add_symbol(f"w{i}")
+    task = LanguageModelingTask(cfg.task, dictionary, dictionary)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    optimizer = optim.build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    model.train()
+    b, t = args.batch_size, args.tokens_per_sample
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (b, t + 1))
+    sample = {"id": torch.arange(b), "nsentences": b, "ntokens": b * t, "target": tokens[:, 1:],
+              "net_input": {"src_tokens": tokens[:, :-1], "src_lengths": torch.full((b,), t)}}
+    print(f"params: {sum(p.numel() for p in model.parameters()):,}; tokens/step: {b * t}")
+
+    def step():
+        optimizer.zero_grad()
+        loss, sample_size, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.multiply_grads(1.0 / sample_size)
+        optimizer.clip_grad_norm(0.0)
+        optimizer.step()
+
+    return step, args.steps
+
+
+def generate_fn(args):
+    from fairseq import checkpoint_utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    _import_plugin()
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
+    for m in models:
+        m.eval()
+    task.load_dataset("test")
+    gen = SequenceGenerator(models, task.target_dictionary, beam_size=args.beam, min_len=args.length,
+                            max_len_a=0, max_len_b=args.length)
+    itr = task.get_batch_iterator(task.dataset("test"), max_sentences=args.batch_size,
+                                  max_positions=(1024, 1024)).next_epoch_itr(shuffle=False)
+    batches = [next(itr) for _ in range(args.batches)]
+
+    def step():
+        with torch.no_grad():
+            for s in batches:
+                gen.generate(models, s)
+
+    return step, 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    step, n = train_step_fn(args) if args.what == "train" else generate_fn(args)
+    t0 = time.perf_counter()
+    step()  # warm-up
+    print(f"warm-up step: {time.perf_counter() - t0:.2f}s")
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = time.perf_counter() - t0
+    print(f"profiled: {n} step(s) in {wall:.2f}s wall (torch threads {torch.get_num_threads()})")
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

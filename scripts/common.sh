@@ -1,0 +1,219 @@
+# Shared code of scripts/lm/*.sh and scripts/nmt/*.sh (sourced, not run).
+#
+# Conventions: every setting is an environment variable; `ts_default NAME FULL TINY` gives NAME
+# the paper value, or the tiny value when SCALE=tiny (minutes on a CPU), unless NAME is set.
+# EXTRA_ARGS is appended (word-split) to the fairseq command.
+#
+# Launch: NNODES x NPROC_PER_NODE processes through torchrun (NODE_RANK, MASTER_ADDR, MASTER_PORT)
+# when more than one; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
+# environment (start the script with srun, one task per GPU). MP = tensor-parallel size.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+BIN="$VENV/bin"
+PY="$BIN/python"
+USER_DIR="$ROOT/torchscale_fairseq"
+SCALE="${SCALE:-full}"
+TS_NAME="${TS_NAME:-$(basename "$(dirname "$0")")/$(basename "$0" .sh)}"
+
+say() { echo "[$TS_NAME] $*"; }
+die() { echo "[$TS_NAME] error: $*" >&2; exit 1; }
+
+case "$SCALE" in full | tiny) ;; *) die "SCALE=$SCALE: choose full or tiny" ;; esac
+[ -x "$PY" ] || die "$PY not found; fix: bash scripts/install.sh"
+
+# ts_default NAME FULL TINY: set NAME unless already set in the environment.
+ts_default() {
+  local name="$1" full="$2" tiny="$3"
+  if [ -z "${!name+x}" ]; then
+    if [ "$SCALE" = tiny ]; then printf -v "$name" '%s' "$tiny"; else printf -v "$name" '%s' "$full"; fi
+  fi
+}
+
+# Integer check with a one-line error.
+ts_int() {
+  local name="$1"
+  [[ "${!name}" =~ ^[0-9]+$ ]] || die "$name=${!name} is not a non-negative integer"
+}
+
+NNODES="${NNODES:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+MP="${MP:-1}"
+SLURM="${SLURM:-0}"
+for v in NNODES NPROC_PER_NODE NODE_RANK MASTER_PORT MP; do ts_int "$v"; done
+WORLD=$((NNODES * NPROC_PER_NODE))
+[ "$WORLD" -ge 1 ] || die "NNODES x NPROC_PER_NODE must be at least 1"
+[ $((WORLD % MP)) = 0 ] || die "MP=$MP does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
+
+# Device: DEVICE=cpu|cuda; default cuda when torch sees a GPU (always cpu at SCALE=tiny).
+if [ -z "${DEVICE:-}" ]; then
+  if [ "$SCALE" = tiny ]; then DEVICE=cpu
+  elif "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then DEVICE=cuda
+  else DEVICE=cpu
+  fi
+fi
+PRECISION="${PRECISION:-fp16}"  # on cuda: fp16, bf16 or fp32
+case "$DEVICE" in
+  cpu) DEVICE_ARGS=(--cpu --distributed-backend gloo) ;;
+  cuda) DEVICE_ARGS=(); [ "$PRECISION" = fp32 ] || DEVICE_ARGS=(--"$PRECISION") ;;
+  *) die "DEVICE=$DEVICE: choose cpu or cuda" ;;
+esac
+[ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP")
+
+# ceil(a / b)
+ts_ceil_div() { echo $((($1 + $2 - 1) / $2)); }
+
+# Data-parallel ranks (tensor-parallel ranks share one batch).
+DP_WORLD=$((WORLD / MP))
+
+# ts_launch TOOL ARGS...: run a fairseq console tool on one process, through torchrun, or under Slurm.
+ts_launch() {
+  local tool="$BIN/$1"
+  shift
+  [ -x "$tool" ] || die "$tool not found; fix: bash scripts/install.sh"
+  if [ "$SLURM" = 1 ]; then
+    "$tool" "$@" --distributed-port "$MASTER_PORT"
+  elif [ "$WORLD" -gt 1 ]; then
+    "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
+      --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+      "$tool" "$@" --distributed-world-size "$WORLD"
+  else
+    "$tool" "$@"
+  fi
+}
+
+# ts_train SAVE_DIR ARGS...: fairseq-train with JSON logs, shown and appended to SAVE_DIR/train.log.
+ts_train() {
+  local save="$1"
+  shift
+  mkdir -p "$save"
+  say "training; log: $save/train.log"
+  # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
+  ts_launch fairseq-train "$@" --save-dir "$save" --log-format json --log-interval "$LOG_INTERVAL" \
+    --no-epoch-checkpoints "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 | tee -a "$save/train.log"
+  [ -f "$save/checkpoint_last.pt" ] || [ -f "$save/checkpoint_last-shard0.pt" ] \
+    || die "training wrote no checkpoint in $save; see $save/train.log"
+}
+
+# ts_clip_args: optimizer flags for CLIP=sparse (SparseClip around Adam) or CLIP=vanilla (Adam).
+ts_clip_args() {
+  case "$CLIP" in
+    sparse) OPT_ARGS=(--optimizer sparse_clip --sparse-clip-base adam) ;;
+    vanilla) OPT_ARGS=(--optimizer adam) ;;
+    *) die "CLIP=$CLIP: choose sparse or vanilla" ;;
+  esac
+  OPT_ARGS+=(--adam-betas "(0.9,0.98)" --clip-norm "$CLIP_NORM")
+}
+
+# ts_checkpoint SAVE_DIR NAME: path of a single-file checkpoint, consolidating expert shards if needed.
+ts_checkpoint() {
+  local save="$1" name="$2"
+  if [ -f "$save/$name.pt" ]; then
+    echo "$save/$name.pt"
+  elif [ -f "$save/$name-shard0.pt" ]; then
+    "$PY" -m torchscale_fairseq.cli.consolidate_experts "$save/$name.pt" -o "$save/$name.consolidated.pt" >&2 \
+      || die "could not consolidate the expert shards $save/$name-shard*.pt"
+    echo "$save/$name.consolidated.pt"
+  else
+    die "no checkpoint $save/$name.pt; train first"
+  fi
+}
+
+# ts_need_data DIR FILE...: one-line error unless the prepared data is there.
+ts_need_data() {
+  local dir="$1" f
+  shift
+  for f in "$@"; do
+    [ -f "$dir/$f" ] || die "$dir/$f not found; prepare the data first (see the script's header)"
+  done
+}
+
+# ts_lm_setup: the LM recipe (TorchScale paper Tables 1-2) into MODEL_ARGS / TRAIN_ARGS.
+ts_lm_setup() {
+  ts_default DATA data-bin/enwiki_gpt2 data-bin/enwiki_gpt2_tiny
+  ts_default ARCH ts_lm_large ts_lm_tiny
+  ts_default LAYERS 12 2
+  ts_default EMBED_DIM 1024 64
+  ts_default FFN_DIM 4096 128
+  ts_default HEADS 16 2
+  ts_default BACKBONE magneto magneto
+  ts_default LR 5e-4 2e-3
+  ts_default WARMUP 750 5
+  ts_default MAX_UPDATE 50000 30
+  ts_default DROPOUT 0.1 0.1
+  ts_default ATTENTION_DROPOUT 0.1 0.0
+  ts_default WEIGHT_DECAY 0.01 0.01
+  ts_default TOKENS_PER_SAMPLE 128 64
+  ts_default TOTAL_BATCH 2048 8      # samples per update, over all data-parallel ranks
+  ts_default BATCH_SIZE 16 8         # samples per rank and forward pass
+  ts_default LOG_INTERVAL 100 5
+  ts_default SEED 1 1
+  for v in LAYERS MAX_UPDATE WARMUP TOTAL_BATCH BATCH_SIZE TOKENS_PER_SAMPLE; do ts_int "$v"; done
+  ts_need_data "$DATA" dict.txt train.bin valid.bin
+  UPDATE_FREQ="${UPDATE_FREQ:-$(ts_ceil_div "$TOTAL_BATCH" $((BATCH_SIZE * DP_WORLD)))}"
+  MODEL_ARGS=(--arch "$ARCH" --backbone "$BACKBONE" --decoder-layers "$LAYERS" --decoder-embed-dim "$EMBED_DIM"
+    --decoder-ffn-embed-dim "$FFN_DIM" --decoder-attention-heads "$HEADS" --dropout "$DROPOUT"
+    --attention-dropout "$ATTENTION_DROPOUT" --share-decoder-input-output-embed)
+  TRAIN_ARGS=("$DATA" --user-dir "$USER_DIR" --task language_modeling --tokens-per-sample "$TOKENS_PER_SAMPLE"
+    --sample-break-mode none --lr "$LR" --lr-scheduler polynomial_decay --warmup-updates "$WARMUP"
+    --total-num-update "$MAX_UPDATE" --weight-decay "$WEIGHT_DECAY" --batch-size "$BATCH_SIZE"
+    --update-freq "$UPDATE_FREQ" --max-update "$MAX_UPDATE" --seed "$SEED" --num-workers 0)
+  say "LM $ARCH $BACKBONE: $LAYERS layers, d=$EMBED_DIM, ffn=$FFN_DIM, $HEADS heads; ${BATCH_SIZE}x${DP_WORLD} ranks x update-freq $UPDATE_FREQ samples of $TOKENS_PER_SAMPLE tokens; $MAX_UPDATE updates; data $DATA"
+}
+
+# ts_nmt_setup: the NMT recipe (TorchScale paper Tables 3-4) into MODEL_ARGS / TRAIN_ARGS.
+ts_nmt_setup() {
+  ts_default DATA data-bin/kjv_sparv_spm data-bin/kjv_sparv_spm_tiny
+  ts_default SRC_LANG en en
+  ts_default TGT_LANG es es
+  ts_default ARCH ts_transformer_large ts_transformer_tiny
+  ts_default LAYERS 12 2             # encoder and decoder layers each (ENC_LAYERS/DEC_LAYERS override)
+  ENC_LAYERS="${ENC_LAYERS:-$LAYERS}"
+  DEC_LAYERS="${DEC_LAYERS:-$LAYERS}"
+  ts_default EMBED_DIM 1024 64
+  ts_default FFN_DIM 4096 128
+  ts_default HEADS 16 2
+  ts_default BACKBONE magneto magneto
+  ts_default LR 5e-4 2e-3
+  ts_default WARMUP 6000 5
+  ts_default MAX_UPDATE 100000 30
+  ts_default DROPOUT 0.1 0.1
+  ts_default WEIGHT_DECAY 0.0 0.0
+  ts_default LABEL_SMOOTHING 0.1 0.1
+  ts_default CLIP_NORM 1.0 1.0
+  ts_default TOTAL_TOKENS 262144 1024  # tokens per update, over all data-parallel ranks
+  ts_default MAX_TOKENS 4096 1024      # tokens per rank and forward pass
+  ts_default LOG_INTERVAL 100 5
+  ts_default SEED 1 1
+  for v in ENC_LAYERS DEC_LAYERS MAX_UPDATE WARMUP TOTAL_TOKENS MAX_TOKENS; do ts_int "$v"; done
+  ts_need_data "$DATA" "dict.$SRC_LANG.txt" "dict.$TGT_LANG.txt" "train.$SRC_LANG-$TGT_LANG.$SRC_LANG.bin"
+  UPDATE_FREQ="${UPDATE_FREQ:-$(ts_ceil_div "$TOTAL_TOKENS" $((MAX_TOKENS * DP_WORLD)))}"
+  MODEL_ARGS=(--arch "$ARCH" --backbone "$BACKBONE" --encoder-layers "$ENC_LAYERS" --decoder-layers "$DEC_LAYERS"
+    --encoder-embed-dim "$EMBED_DIM" --decoder-embed-dim "$EMBED_DIM" --encoder-ffn-embed-dim "$FFN_DIM"
+    --decoder-ffn-embed-dim "$FFN_DIM" --encoder-attention-heads "$HEADS" --decoder-attention-heads "$HEADS"
+    --dropout "$DROPOUT" --share-all-embeddings)
+  TRAIN_ARGS=("$DATA" --user-dir "$USER_DIR" --task translation --source-lang "$SRC_LANG" --target-lang "$TGT_LANG"
+    --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --weight-decay "$WEIGHT_DECAY"
+    --label-smoothing "$LABEL_SMOOTHING" --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ"
+    --max-update "$MAX_UPDATE" --seed "$SEED" --num-workers 0)
+  say "NMT $ARCH $BACKBONE: $ENC_LAYERS-$DEC_LAYERS layers, d=$EMBED_DIM, ffn=$FFN_DIM, $HEADS heads; ${MAX_TOKENS}x${DP_WORLD} ranks x update-freq $UPDATE_FREQ tokens; $MAX_UPDATE updates; data $DATA"
+}
+
+# ts_moe_setup: X-MoE flags (EXPERTS, MOE_FREQ, TOP_K, BALANCE) and CLIP=sparse|vanilla into MOE_ARGS/OPT_ARGS.
+ts_moe_setup() {
+  ts_default EXPERTS 16 4
+  ts_default MOE_FREQ 2 2
+  ts_default TOP_K 2 2
+  ts_default BALANCE 0.01 0.01
+  ts_default CLIP sparse sparse
+  ts_default CLIP_NORM 1.0 1.0
+  for v in EXPERTS MOE_FREQ TOP_K; do ts_int "$v"; done
+  MOE_ARGS=(--moe-expert-count "$EXPERTS" --moe-freq "$MOE_FREQ" --moe-top-k "$TOP_K" --moe-gate-loss-wt "$BALANCE")
+  ts_clip_args
+  say "X-MoE: $EXPERTS experts, every $MOE_FREQ layers, top-$TOP_K, balance $BALANCE; clipping $CLIP at $CLIP_NORM"
+}

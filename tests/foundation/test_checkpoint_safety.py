@@ -1,0 +1,48 @@
+"""Checkpoints load with weights_only=True: fairseq's plain objects are allowed by the
+plugin's explicit list, anything else (code execution on load) is refused."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+
+
+class RunsCodeOnLoad:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _load_in_subprocess(path, import_plugin: bool, loader: str = "torch.load") -> subprocess.CompletedProcess:
+    """Load ``path`` with ``loader`` (PyTorch's default weights_only=True, or fairseq's)."""
+    code = (
+        "import torch\nfrom fairseq import checkpoint_utils\n"
+        + ("import torchscale_fairseq\n" if import_plugin else "")
+        + f"state = {loader}({str(path)!r})\n"
+        + "print('loaded', sorted(state))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_namespace_checkpoint_needs_and_gets_the_allow_list(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"args": argparse.Namespace(arch="transformer", lr=[0.1]), "model": {"w": torch.ones(2)}}, path)
+    stock = _load_in_subprocess(path, import_plugin=False)
+    assert stock.returncode != 0 and "Namespace" in stock.stderr
+    ours = _load_in_subprocess(path, import_plugin=True)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert "loaded" in ours.stdout
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": RunsCodeOnLoad(str(marker))}, path)
+    proc = _load_in_subprocess(path, import_plugin=True, loader="checkpoint_utils.load_checkpoint_to_cpu")
+    assert proc.returncode != 0
+    assert "Weights only load failed" in proc.stderr or "weights_only" in proc.stderr
+    assert not marker.exists()

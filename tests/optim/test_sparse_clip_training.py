@@ -1,0 +1,59 @@
+"""SparseClip inside fairseq's real ``Trainer`` (tests.moe.dist_harness): precision
+modes that run on CPU, and equality with vanilla ``--clip-norm`` at E=1.
+
+The distributed norms (expert-parallel E=4 and data-parallel E=1 replicas, 2 gloo ranks
+vs 1 process) are asserted in ``tests/moe/test_distributed.py``, which trains with
+``--optimizer sparse_clip``. ``--bf16`` (TPU-only in fairseq 0.12) and flattened
+``--fp16`` (``torch.cuda.current_device`` in fairseq's master copy) do not run on CPU;
+the flat master's expert bookkeeping is covered in ``test_sparse_clip.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.cli_utils import run
+
+MOE = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy", "--clip-norm", "0.5"]
+SPARSE = ["--optimizer", "sparse_clip", "--sparse-clip-base", "adam"]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory, moe_lm_data):
+    cache: dict = {}
+
+    def train(*flags: str) -> dict:
+        if flags not in cache:
+            out = tmp_path_factory.mktemp("run") / "out.pt"
+            run([sys.executable, "-m", "tests.moe.dist_harness", out, "1", moe_lm_data, *flags])
+            cache[flags] = torch.load(out)
+        return cache[flags]
+
+    return train
+
+
+@pytest.mark.parametrize("mode", [["--memory-efficient-fp16"], ["--fp16", "--fp16-no-flatten-grads"], ["--amp"]])
+def test_precision_modes_take_the_norm_on_unscaled_gradients(harness, mode):
+    ref = harness(*MOE, *SPARSE)
+    got = harness(*MOE, *SPARSE, *mode)
+    assert got["norms"][0] == pytest.approx(ref["norms"][0], rel=1e-2)
+    for log in got["logged"]:
+        dense, expert = log["gnorm_dense"], log["gnorm_expert"]
+        assert expert > 0
+        assert log["gnorm"] == pytest.approx(math.sqrt(dense**2 + expert**2 / 4), abs=2e-3)
+        assert log["clip"] == (100.0 if log["gnorm"] > 0.5 else 0.0)
+
+
+def test_one_expert_equals_vanilla_clip_norm(harness):
+    flags = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
+             "--clip-norm", "0.3"]
+    vanilla = harness(*flags, "--optimizer", "adam")
+    sparse = harness(*flags, *SPARSE)
+    assert sparse["norms"] == vanilla["norms"]
+    assert sparse["norms"][0] > 0.3
+    for name, p in vanilla["state"].items():
+        assert torch.equal(p, sparse["state"][name]), name

@@ -1,0 +1,55 @@
+"""Run fairseq-train with NaN gradients injected at one update; print per-step records.
+
+Usage: python inject_nonfinite.py STEP <fairseq-train args...>
+Each ``Trainer.train_step`` call prints ``STEP {json}`` with the update counter, a
+checksum of the parameters and the fp16 loss scale before and after the call.
+"""
+
+import json
+import sys
+
+import torch
+
+import torchscale_fairseq  # noqa: F401  (applies the plugin's fixes before fairseq runs)
+from fairseq.tasks.fairseq_task import FairseqTask
+from fairseq.trainer import Trainer
+from fairseq_cli.train import cli_main
+
+INJECT_AT = int(sys.argv.pop(1))
+_calls = {"n": 0}
+_task_train_step = FairseqTask.train_step
+_trainer_train_step = Trainer.train_step
+
+
+def task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
+    out = _task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+    if _calls["n"] == INJECT_AT:
+        next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+    return out
+
+
+def _checksum(trainer) -> float:
+    return float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+
+
+def _scale(trainer):
+    scaler = getattr(trainer.optimizer, "scaler", None)
+    return None if scaler is None else float(scaler.loss_scale)
+
+
+def trainer_train_step(self, samples, raise_oom=False):
+    before = (self.get_num_updates(), _checksum(self), _scale(self))
+    out = _trainer_train_step(self, samples, raise_oom)
+    after = (self.get_num_updates(), _checksum(self), _scale(self))
+    print("STEP " + json.dumps({"call": _calls["n"], "injected": _calls["n"] == INJECT_AT, "before": before,
+                                "after": after}), flush=True)
+    _calls["n"] += 1
+    return out
+
+
+FairseqTask.train_step = task_train_step
+Trainer.train_step = trainer_train_step
+
+if __name__ == "__main__":
+    sys.argv[0] = "fairseq-train"
+    cli_main()

@@ -1,0 +1,63 @@
+"""SIGKILL in the middle of an epoch, restart the same command: the updates after the
+restart are exactly those of an uninterrupted run (fp32 on CPU, one thread: bitwise)."""
+
+import json
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, json_logs, run, tool
+
+MAX_UPDATE = 12
+COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", "4", "--log-interval", "1",
+          "--disable-validation", "--dropout", "0.1"]
+RECIPES = {
+    "ts_lm": ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--attention-dropout", "0.1"],
+    "ts_transformer": ["--arch", "ts_transformer_tiny", *MT_TRAIN, "--max-tokens", "400"],
+}
+
+
+def _command(data, save, recipe):
+    return [tool("fairseq-train"), str(data), "--user-dir", USER_DIR, "--save-dir", str(save), *RECIPES[recipe],
+            *COMMON]
+
+
+def _kill_after(cmd, update: int) -> None:
+    """Start ``cmd`` and SIGKILL it once it has logged update ``update``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
+    for line in proc.stdout:
+        if "| train_inner |" in line and json.loads(line[line.find("{"):])["num_updates"] == str(update):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def _losses(text):
+    return {int(r["num_updates"]): r["loss"] for r in json_logs(text, "train_inner")}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_sigkill_mid_epoch_then_restart_is_exact(recipe, lm_data, mt_data, tmp_path):
+    data = lm_data if recipe == "ts_lm" else mt_data
+    reference = run(_command(data, tmp_path / "ref", recipe))
+    _kill_after(_command(data, tmp_path / "killed", recipe), update=6)
+    resumed = run(_command(data, tmp_path / "killed", recipe))
+    out = resumed.stdout + resumed.stderr
+    assert "Loaded checkpoint" in out and "@ 4 updates" in out
+    ref, got = _losses(reference.stdout + reference.stderr), _losses(out)
+    assert sorted(got) == list(range(5, MAX_UPDATE + 1))
+    assert all(got[u] == ref[u] for u in got), (ref, got)
+    state_ref = torch.load(tmp_path / "ref" / "checkpoint_last.pt", weights_only=True)
+    state_got = torch.load(tmp_path / "killed" / "checkpoint_last.pt", weights_only=True)
+    assert state_ref["model"].keys() == state_got["model"].keys()
+    for name, value in state_ref["model"].items():
+        assert torch.equal(value, state_got["model"][name]), name
+    ref_opt = state_ref["last_optimizer_state"]["state"]
+    got_opt = state_got["last_optimizer_state"]["state"]
+    for key in ref_opt:
+        for field, value in ref_opt[key].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, got_opt[key][field]), (key, field)

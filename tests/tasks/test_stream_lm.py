@@ -1,0 +1,149 @@
+"""``streaming_lm``: packing, data-parallel sharding, tensor-parallel equality, resume, mixing, held-out data."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tasks.stream_data import make_docs, make_stream_data, write_index, write_shard
+from torchscale_fairseq.data import gpt2_bpe
+from torchscale_fairseq.data.lm_stream import CorpusStream, Cursor, document_ids, shard_order
+from torchscale_fairseq.data.stream_index import load_index
+from torchscale_fairseq.data.text_shards import ShardReader
+from torchscale_fairseq.model_parallel import process_groups
+
+EOS, OFFSET, T = 2, 4, 16
+
+
+def batches(task, n: int, num_workers: int = 0, state: dict | None = None, epoch_len: int = 3) -> tuple[list, dict]:
+    """``n`` training batches (continuing from ``state``) and the iterator state after them."""
+    task.args.batches_per_epoch = epoch_len
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(task.dataset("train"), max_sentences=4, num_workers=num_workers)
+    if state is not None:
+        itr.load_state_dict(state)
+    out = []
+    while len(out) < n:
+        epoch = itr.next_epoch_itr()
+        for sample in itertools.islice(epoch, n - len(out)):
+            out.append(sample)
+    result = itr.state_dict()
+    itr.close()
+    return out, result
+
+
+def stream_of(docs: list[list[str]]) -> list[int]:
+    return [t for doc in docs for t in document_ids(doc, EOS, OFFSET)]
+
+
+def test_blocks_pack_documents_without_padding(tmp_path: Path, task_factory) -> None:
+    docs = make_docs(5, seed=1)
+    write_shard(tmp_path / "a.txt", docs)
+    write_index(tmp_path, "train", [{"source": ["a.txt"], "weight": 1.0}])
+    samples, _ = batches(task_factory(tmp_path), 12)
+    src = torch.cat([s["net_input"]["src_tokens"] for s in samples])
+    tgt = torch.cat([s["target"] for s in samples])
+    assert src.shape[1] == T and tgt.shape[1] == T and not (tgt == 1).any()
+    flat = tgt.reshape(-1).tolist()
+    one_pass = stream_of(docs)
+    expected = (one_pass * (len(flat) // len(one_pass) + 1))[: len(flat)]
+    assert len(flat) > 2 * len(one_pass) and flat == expected  # wraps around the corpus, no gaps
+    assert src.reshape(-1).tolist() == [EOS] + flat[:-1]  # source = target shifted right across blocks
+    assert one_pass[-2:] == [EOS, EOS]  # line end, then end of document
+
+
+def test_documents_match_gpt2_ids() -> None:
+    line = "Hello world, café naïve"
+    ids = document_ids([line, "second"], EOS, OFFSET)
+    enc = gpt2_bpe.get_gpt2_encoding()
+    first, second = ([i + 4 for i in enc.encode_ordinary(text)] for text in (line, "second"))
+    assert ids == first + [EOS] + second + [EOS, EOS]
+
+
+def test_readers_disjoint_and_complete(tmp_path: Path) -> None:
+    make_stream_data(tmp_path, {"c": (3, 7, 1.0)})
+    corpus = load_index(str(tmp_path), "train")[0]
+    every = {(shard, doc.offset) for shard in corpus.shards for doc in ShardReader(shard)}
+    n_readers, seen = 4, []  # data-parallel size 2 x 2 loader workers
+    for reader in range(n_readers):
+        stream = CorpusStream(corpus, 0, 1, reader, n_readers, Cursor(), EOS, OFFSET)
+        order = None
+        mine = set()
+        for epoch_pass, shard, offset, _, _ in stream.documents():
+            if epoch_pass > 0:
+                break
+            order = order or shard_order(len(corpus.shards), 1, 0, 0)
+            mine.add((corpus.shards[order[shard]], offset))
+        seen.append(mine)
+    assert all(seen) and sum(len(s) for s in seen) == len(every) == 21
+    assert set().union(*seen) == every
+
+
+def test_tensor_parallel_ranks_identical_data_parallel_ranks_differ(tmp_path: Path, task_factory, monkeypatch) -> None:
+    make_stream_data(tmp_path, {"c": (2, 9, 1.0)})
+
+    def run(dp_rank: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(process_groups, "get_data_parallel_rank", lambda: dp_rank)
+        monkeypatch.setattr(process_groups, "get_data_parallel_world_size", lambda: 2)
+        samples, _ = batches(task_factory(tmp_path), 4)
+        return [s["target"] for s in samples]
+
+    tp0, tp1, other = run(1), run(1), run(0)
+    assert all(torch.equal(a, b) for a, b in zip(tp0, tp1))
+    assert not any(torch.equal(a, b) for a, b in zip(tp0, other))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_continues_with_next_unseen_batch(tmp_path: Path, task_factory, num_workers: int) -> None:
+    make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
+    full, _ = batches(task_factory(tmp_path), 9, num_workers)
+    head, state = batches(task_factory(tmp_path), 4, num_workers)
+    cursors = [c for r in state["stream"]["ranks"][0]["readers"] for c in r["cursors"]]
+    assert any(c["tok"] > 0 for c in cursors)  # stopped mid-document
+    state = torch.load(_save(tmp_path, state), weights_only=True)
+    tail, _ = batches(task_factory(tmp_path), 5, num_workers, state=state)
+    got = [s["target"] for s in head + tail]
+    assert all(torch.equal(a["target"], b) for a, b in zip(full, got)) and len(got) == 9
+    assert state["epoch"] == 2 and state["iterations_in_epoch"] == 1
+
+
+def _save(tmp_path: Path, state: dict) -> Path:
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_weighted_mixing_proportions(tmp_path: Path, task_factory) -> None:
+    write_shard(tmp_path / "a.txt", [[" ".join(["apple"] * (3 + i % 5))] for i in range(30)])
+    write_shard(tmp_path / "b.txt", [[" ".join(["zebra"] * (3 + i % 7))] for i in range(30)])
+    write_index(tmp_path, "train", [{"source": ["a.txt"], "weight": 3}, {"source": ["b.txt"], "weight": 1}])
+    apple = set(i + OFFSET for i in gpt2_bpe.encode("apple apple")) - {EOS}
+    samples, _ = batches(task_factory(tmp_path), 500, epoch_len=500)
+    blocks = torch.cat([s["target"] for s in samples])
+    from_a = sum(bool(set(row.tolist()) & apple) for row in blocks)
+    assert abs(from_a / len(blocks) - 0.75) < 0.04
+
+
+def test_undecodable_bytes_skipped_with_warning(tmp_path: Path, task_factory, caplog) -> None:
+    (tmp_path / "a.txt").write_bytes(b"good line \xff\xfeend\n\nsecond doc\n")
+    write_index(tmp_path, "train", [{"source": ["a.txt"]}])
+    with caplog.at_level(logging.WARNING):
+        samples, _ = batches(task_factory(tmp_path), 1)
+    flat = samples[0]["target"].reshape(-1).tolist()
+    one_pass = stream_of([["good line end"], ["second doc"]])
+    assert flat == (one_pass * 10)[: len(flat)]
+    assert "skipped 2 undecodable byte(s)" in caplog.text
+
+
+def test_valid_split_holds_every_token_once(tmp_path: Path, task_factory) -> None:
+    make_stream_data(tmp_path, {"c": (1, 3, 1.0)}, valid_docs=7)
+    task = task_factory(tmp_path)
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    tokens = torch.cat([ds[i]["target"] for i in range(len(ds))]).tolist()
+    docs = [doc.lines for doc in ShardReader(str(tmp_path / "shard" / "valid" / "00000.txt"))]
+    assert tokens == stream_of(docs) and len(docs) == 7

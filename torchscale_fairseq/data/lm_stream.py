@@ -1,0 +1,180 @@
+"""The ``streaming_lm`` training stream: raw-text shards -> GPT-2 ids -> packed blocks -> batches.
+
+Each corpus is an endless sequence of documents (passes over its shards, shard order
+reshuffled every pass). A document's ids are ``ids(line) + </s>`` for each line, then one
+more ``</s>`` (end of document): exactly the ``data_prep`` LM stream, where a blank line is
+a lone ``</s>``. Reader ``g`` of ``G`` (``G`` = data-parallel size x loader workers) takes
+the documents whose running number is ``g`` mod ``G``, so readers are disjoint and together
+complete. Every block is ``tokens_per_sample`` target tokens, no padding; its source is the
+same tokens shifted right by one (as fairseq's ``TokenBlockDataset``). The corpus of each
+block is drawn by weight from a seed fixed by (seed, reader, block number).
+
+All positions are plain dicts (:class:`Cursor` fields), so the exact stream position can be
+saved in a checkpoint and resumed mid-document.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from torchscale_fairseq.data import gpt2_bpe
+from torchscale_fairseq.data.stream_index import Corpus
+from torchscale_fairseq.data.text_shards import ShardReader
+
+logger = logging.getLogger(__name__)
+
+
+def document_ids(lines: Sequence[str], eos: int, offset: int) -> list[int]:
+    """Fairseq ids of one document: each line's GPT-2 ids + ``offset`` and ``eos``, then ``eos``."""
+    encoding = gpt2_bpe.get_gpt2_encoding()
+    ids: list[int] = []
+    for line in lines:
+        ids.extend(i + offset for i in encoding.encode_ordinary(line))
+        ids.append(eos)
+    ids.append(eos)
+    return ids
+
+
+@dataclass
+class Cursor:
+    """Position of one reader in one corpus: the current document and how much of it was used."""
+
+    epoch_pass: int = 0
+    shard: int = 0
+    offset: int = 0
+    doc: int = 0
+    tok: int = 0
+    prev: int = -1
+
+
+def shard_order(n_shards: int, seed: int, corpus: int, epoch_pass: int) -> list[int]:
+    """The shard order of one pass over a corpus (a seeded permutation)."""
+    order = list(range(n_shards))
+    random.Random(f"{seed}:{corpus}:{epoch_pass}").shuffle(order)
+    return order
+
+
+class CorpusStream:
+    """Documents of one corpus for one reader, packed into blocks of ``length + 1`` tokens."""
+
+    def __init__(self, corpus: Corpus, index: int, seed: int, reader: int, n_readers: int,
+                 cursor: Cursor, eos: int, offset: int) -> None:
+        self.corpus, self.index, self.seed = corpus, index, seed
+        self.reader, self.n_readers = reader, n_readers
+        self.eos, self.id_offset = eos, offset
+        self.cursor = copy.copy(cursor)
+        if self.cursor.prev < 0:
+            self.cursor.prev = eos
+        self._ids: list[int] | None = None
+        self._docs = self.documents()
+
+    def documents(self) -> Iterator[tuple[int, int, int, int, list[int]]]:
+        """(pass, shard position, byte offset, document number, ids) of this reader's documents from the cursor."""
+        c = self.cursor
+        epoch_pass, shard, offset, doc = c.epoch_pass, c.shard, c.offset, c.doc
+        while True:
+            order = shard_order(len(self.corpus.shards), self.seed, self.index, epoch_pass)
+            while shard < len(order):
+                path = self.corpus.shards[order[shard]]
+                reader = ShardReader(path, offset)
+                for raw in reader:
+                    if doc % self.n_readers == self.reader:
+                        yield epoch_pass, shard, raw.offset, doc, document_ids(raw.lines, self.eos, self.id_offset)
+                    doc += 1
+                if reader.bad_bytes:
+                    logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, path)
+                shard, offset = shard + 1, 0
+            epoch_pass, shard = epoch_pass + 1, 0
+
+    def next_block(self, length: int) -> list[int]:
+        """``length + 1`` tokens: the token before the block, then the block."""
+        c = self.cursor
+        out = [c.prev]
+        while len(out) <= length:
+            if self._ids is None or c.tok >= len(self._ids):
+                resume_tok = c.tok if self._ids is None else 0
+                c.epoch_pass, c.shard, c.offset, c.doc, self._ids = next(self._docs)
+                c.tok = min(resume_tok, len(self._ids))
+                continue
+            take = min(length + 1 - len(out), len(self._ids) - c.tok)
+            out.extend(self._ids[c.tok : c.tok + take])
+            c.tok += take
+        c.prev = out[-1]
+        return out
+
+
+def initial_reader_state(n_corpora: int) -> dict:
+    """The state of a reader that has not read anything."""
+    return {"blocks": 0, "cursors": [asdict(Cursor()) for _ in range(n_corpora)]}
+
+
+class LMBlockStream(torch.utils.data.IterableDataset):
+    """Batches of packed LM blocks for one data-parallel rank, read by ``n_local`` readers.
+
+    Local reader ``r`` (``0 <= r < n_local``) is global reader ``dp_rank * n_local + r``.
+    Loader worker ``w`` of ``n_local`` workers runs local reader ``(first + w) % n_local``,
+    starting from ``states[r]``; every batch carries ``stream_state = (r, state after it)``.
+    """
+
+    def __init__(self, corpora: Sequence[Corpus], tokens_per_sample: int, batch_size: int, eos: int,
+                 id_offset: int, seed: int, dp_rank: int, dp_size: int, n_local: int) -> None:
+        super().__init__()
+        self.corpora = list(corpora)
+        self.tokens_per_sample, self.batch_size = tokens_per_sample, batch_size
+        self.eos, self.id_offset, self.seed = eos, id_offset, seed
+        self.dp_rank, self.dp_size, self.n_local = dp_rank, dp_size, n_local
+        self.states = [initial_reader_state(len(self.corpora)) for _ in range(n_local)]
+        self.first = 0
+        total = sum(c.weight for c in self.corpora)
+        self._cum = [sum(c.weight for c in self.corpora[: i + 1]) / total for i in range(len(self.corpora))]
+
+    def _pick_corpus(self, reader: int, block: int) -> int:
+        if len(self.corpora) == 1:
+            return 0
+        u = random.Random((self.seed * 1_000_003 + reader) * 1_000_000_007 + block).random()
+        return min(bisect.bisect_right(self._cum, u), len(self.corpora) - 1)
+
+    def reader_batches(self, local: int) -> Iterator[dict]:
+        """Endless batches of local reader ``local`` from its saved state."""
+        g, n_readers = self.dp_rank * self.n_local + local, self.dp_size * self.n_local
+        state = copy.deepcopy(self.states[local])
+        streams = [
+            CorpusStream(c, i, self.seed, g, n_readers, Cursor(**state["cursors"][i]), self.eos, self.id_offset)
+            for i, c in enumerate(self.corpora)
+        ]
+        blocks = state["blocks"]
+        while True:
+            rows = []
+            for _ in range(self.batch_size):
+                rows.append(streams[self._pick_corpus(g, blocks)].next_block(self.tokens_per_sample))
+                blocks += 1
+            after = {"blocks": blocks, "cursors": [asdict(s.cursor) for s in streams]}
+            yield self.collate(rows, blocks - len(rows), g, (local, after))
+
+    def collate(self, rows: list[list[int]], first_block: int, reader: int, state: tuple[int, dict]) -> dict:
+        """A fairseq LM sample (source = block shifted right by one) plus its ``stream_state``."""
+        tokens = torch.tensor(rows, dtype=torch.long)
+        bsz, length = len(rows), self.tokens_per_sample
+        ids = torch.arange(first_block, first_block + bsz) * (self.dp_size * self.n_local) + reader
+        return {
+            "id": ids,
+            "nsentences": bsz,
+            "ntokens": bsz * length,
+            "net_input": {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((bsz,), length)},
+            "target": tokens[:, 1:].contiguous(),
+            "stream_state": state,
+        }
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if n_workers != self.n_local:
+            raise RuntimeError(f"LMBlockStream built for {self.n_local} reader(s) runs in {n_workers} worker(s)")
+        return self.reader_batches((self.first + worker) % self.n_local)

@@ -1,0 +1,139 @@
+"""Epoch iterator over an :class:`LMBlockStream` whose ``state_dict`` holds the exact stream position.
+
+An epoch is ``batches_per_epoch`` batches; the stream itself never restarts. The position
+is taken from the batches handed to the trainer (not from what the loader workers have
+prefetched), and gathered from every data-parallel rank, so the checkpoint written by
+rank 0 lets every rank continue with its next unseen batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from fairseq.data.iterators import CountingIterator, EpochBatchIterating
+
+from torchscale_fairseq.data.lm_stream import LMBlockStream
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel import process_groups
+
+logger = logging.getLogger(__name__)
+
+
+def _gather_dp(mine: dict, dp_rank: int, known: list[dict]) -> list[dict]:
+    """The stream state of every data-parallel rank (only this rank's is refreshed without a process group)."""
+    if len(known) == 1 or not dist.is_initialized():
+        return [mine if r == dp_rank else state for r, state in enumerate(known)]
+    out: list = [None] * len(known)
+    dist.all_gather_object(out, mine, group=process_groups.get_data_parallel_group())
+    return out
+
+
+class StreamEpochBatchIterator(EpochBatchIterating):
+    """fairseq epoch iterator for the streaming tasks (resumable mid-shard)."""
+
+    def __init__(self, dataset: LMBlockStream, num_workers: int, batches_per_epoch: int, epoch: int = 1) -> None:
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.batches_per_epoch = batches_per_epoch
+        self.epoch = max(epoch, 1)
+        self.shuffle = True
+        self._rank_states = [{"readers": copy.deepcopy(dataset.states), "next_reader": 0}] * dataset.dp_size
+        self._cur_epoch_itr: CountingIterator | None = None
+        self._source: Iterator[dict] | None = None
+        self._resume_offset: int | None = None
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    @property
+    def next_epoch_idx(self) -> int:
+        if self._resume_offset is not None:
+            return self.epoch
+        if self._cur_epoch_itr is not None and self.end_of_epoch():
+            return self.epoch + 1
+        return self.epoch
+
+    def next_epoch_itr(self, shuffle: bool = True, fix_batches_to_gpus: bool = False,
+                       set_dataset_epoch: bool = True) -> CountingIterator:
+        self.epoch = self.next_epoch_idx
+        offset, self._resume_offset = self._resume_offset or 0, None
+        self.close()
+        self._source = self._batches(self.batches_per_epoch - offset)
+        self._cur_epoch_itr = CountingIterator(self._source, start=offset, total=self.batches_per_epoch)
+        return self._cur_epoch_itr
+
+    def end_of_epoch(self) -> bool:
+        return self._cur_epoch_itr is not None and not self._cur_epoch_itr.has_next()
+
+    @property
+    def iterations_in_epoch(self) -> int:
+        if self._cur_epoch_itr is not None:
+            return self._cur_epoch_itr.n
+        return self._resume_offset or 0
+
+    def close(self) -> None:
+        """Stop the loader workers of the current epoch (before forking new ones)."""
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def _batches(self, n: int) -> Iterator[dict]:
+        mine = self._rank_states[self.dataset.dp_rank]
+        self.dataset.states = copy.deepcopy(mine["readers"])
+        self.dataset.first = mine["next_reader"]
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_size=None, num_workers=self.num_workers, persistent_workers=False
+        )
+        it = iter(loader)
+        try:
+            for _ in range(n):
+                sample = next(it)
+                local, state = sample.pop("stream_state")
+                mine = copy.deepcopy(mine)
+                mine["readers"][local] = state
+                mine["next_reader"] = (local + 1) % self.dataset.n_local
+                self._rank_states = _gather_dp(mine, self.dataset.dp_rank, self._rank_states)
+                yield sample
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
+    def state_dict(self) -> dict:
+        if self.end_of_epoch():
+            epoch, iterations = self.epoch + 1, 0
+        else:
+            epoch, iterations = self.epoch, self.iterations_in_epoch
+        return {
+            "version": 2,
+            "epoch": epoch,
+            "iterations_in_epoch": iterations,
+            "shuffle": self.shuffle,
+            "stream": {
+                "layout": [self.dataset.dp_size, self.dataset.n_local, len(self.dataset.corpora)],
+                "ranks": copy.deepcopy(self._rank_states),
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.epoch = state_dict["epoch"]
+        iterations = state_dict.get("iterations_in_epoch", 0)
+        self._resume_offset = iterations if 0 < iterations < self.batches_per_epoch else None
+        self.close()
+        self._cur_epoch_itr = None
+        stream = state_dict.get("stream")
+        if stream is None:
+            logger.warning("checkpoint has no stream position: the data stream starts from the beginning")
+            return
+        layout = [self.dataset.dp_size, self.dataset.n_local, len(self.dataset.corpora)]
+        if list(stream["layout"]) != layout:
+            raise TsConfigError(
+                f"cannot resume the data stream: the checkpoint was written with data-parallel size, "
+                f"readers (--num-workers) and corpora {list(stream['layout'])}, this run has {layout}; "
+                "use the same settings, or --reset-dataloader to restart the stream"
+            )
+        self._rank_states = copy.deepcopy(stream["ranks"])

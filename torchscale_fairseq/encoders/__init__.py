@@ -1,0 +1,1 @@
+"""fairseq ``--bpe`` encoders of torchscale-fairseq."""
