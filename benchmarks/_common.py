@@ -115,17 +115,27 @@ def write_parallel_corpus(out: Path, vocab: int, pairs: Dict[str, int], seed: in
 
 def run(cmd: Sequence[str], log: Optional[Path] = None, env: Optional[dict] = None) -> str:
     """Run ``cmd``; return stdout+stderr (also written to ``log``); exit on failure."""
+    return run_together([cmd], [log], env)[0]
+
+
+def run_together(
+    cmds: Sequence[Sequence[str]], logs: Sequence[Optional[Path]], env: Optional[dict] = None
+) -> List[str]:
+    """Start all ``cmds`` at once, wait for all; their outputs, in order (see :func:`run`)."""
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONWARNINGS", "ignore")
     if env:
         full_env.update(env)
-    proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
-    if log is not None:
-        log.write_text(" ".join(cmd) + "\n\n" + proc.stdout)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return proc.stdout
+    procs = [subprocess.Popen(list(c), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+             for c in cmds]
+    outputs = [p.communicate()[0] for p in procs]
+    for cmd, proc, out, log in zip(cmds, procs, outputs, logs):
+        if log is not None:
+            log.write_text(" ".join(cmd) + "\n\n" + out)
+        if proc.returncode != 0:
+            tail = "\n".join(out.splitlines()[-40:])
+            raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return outputs
 
 
 def preprocess_lm(text: Dict[str, Path], dest: Path, workers: int = 2) -> Path:

@@ -5,7 +5,8 @@ FFN 2048), on a small synthetic translation pair.
 Both models are trained for a few updates on the same data (only to have checkpoints with
 non-degenerate weights), then decoded with ``--beam 5`` and a fixed output length
 (``--min-len L --max-len-a 0 --max-len-b L``) so both generate exactly the same number of
-tokens. Decoding runs alternate (ours, stock, stock, ours, ...); the ratio is taken per
+tokens. Decoding runs alternate (ours, stock, stock, ours, ...), or with ``--concurrent`` run
+at the same time in each round (for a heavily shared machine); the ratio is taken per
 round and the median reported. The speed is fairseq-generate's own figure (its timer covers
 the model's inference step only).
 
@@ -21,7 +22,15 @@ import tempfile
 from pathlib import Path
 
 from _common import (
-    USER_DIR, load_average, median, now, preprocess_translation, run, tool, write_parallel_corpus,
+    USER_DIR,
+    load_average,
+    median,
+    now,
+    preprocess_translation,
+    run,
+    run_together,
+    tool,
+    write_parallel_corpus,
 )
 
 MODELS = {
@@ -46,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=20, help="L: every hypothesis has exactly L tokens + EOS")
     p.add_argument("--batch-size", type=int, default=25, help="sentences per decoding batch")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrent", action="store_true", help="decode with ours and stock at the same time per round")
     p.add_argument("--workdir", help="keep data, checkpoints and logs here (default: a temp dir, removed)")
     return p.parse_args(argv)
 
@@ -69,8 +79,7 @@ def generate_cmd(data: Path, checkpoint: Path, args) -> list:
     ]
 
 
-def measure(data: Path, checkpoint: Path, args, log: Path) -> tuple:
-    out = run(generate_cmd(data, checkpoint, args), log=log)
+def parse_translated(out: str, log: Path) -> tuple:
     m = _TRANSLATED.search(out)
     if not m:
         raise SystemExit(f"no 'Translated ...' line in the fairseq-generate output (see {log})")
@@ -96,25 +105,36 @@ def main(argv=None) -> int:
         for name in MODELS:
             save_dir = work / f"ckpt_{name}"
             cmd = train_cmd(data, name, save_dir, args)
+            checkpoints[name] = save_dir / "checkpoint_last.pt"
+            if checkpoints[name].exists():
+                print(f"train ({name}): reusing {checkpoints[name]}")
+                continue
             print(f"train ({name}): " + " ".join(cmd), flush=True)
             run(cmd, log=work / f"train_{name}.log")
-            checkpoints[name] = save_dir / "checkpoint_last.pt"
             if not checkpoints[name].exists():
                 raise SystemExit(f"training {name} left no {checkpoints[name]}")
         for name in MODELS:
             print(f"generate ({name}): " + " ".join(generate_cmd(data, checkpoints[name], args)))
+        print("runs: " + ("ours and stock concurrently in each round" if args.concurrent else "alternating"))
         results = {"ours": [], "stock": []}
         for r in range(args.rounds):
             order = ("ours", "stock") if r % 2 == 0 else ("stock", "ours")
+            load = load_average()
+            groups = [list(order)] if args.concurrent else [[n] for n in order]
+            parsed = {}
+            for group in groups:
+                logs = [work / f"gen_{n}_{r}.log" for n in group]
+                outs = run_together([generate_cmd(data, checkpoints[n], args) for n in group], logs)
+                for n, out, log in zip(group, outs, logs):
+                    parsed[n] = parse_translated(out, log)
             for name in order:
-                load = load_average()
-                sentences, tokens, seconds, sps = measure(data, checkpoints[name], args, work / f"gen_{name}_{r}.log")
+                sentences, tokens, seconds, sps = parsed[name]
                 expected = sentences * (args.length + 1)
                 if tokens != expected:
                     raise SystemExit(f"{name} generated {tokens} tokens, expected {expected}: lengths not fixed")
                 results[name].append(sps)
                 print(f"round {r + 1} {name:5s}: {sentences} sentences ({tokens} tokens) in {seconds:.1f}s = "
-                      f"{sps:.2f} sentences/s  (load avg before: {load})", flush=True)
+                      f"{sps:.2f} sentences/s  (load avg before round: {load})", flush=True)
             print(f"round {r + 1} ratio ours/stock: {results['ours'][-1] / results['stock'][-1]:.3f}", flush=True)
         ratios = [o / s for o, s in zip(results["ours"], results["stock"])]
         ratio = median(ratios)

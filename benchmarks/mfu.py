@@ -27,10 +27,19 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import (
-    REPO, USER_DIR, dict_size, load_average, median, now, num_params, preprocess_lm, run, tool,
-    train_inner_logs, write_lm_corpus,
+    REPO,
+    USER_DIR,
+    dict_size,
+    load_average,
+    median,
+    now,
+    num_params,
+    preprocess_lm,
+    run,
+    tool,
+    train_inner_logs,
+    write_lm_corpus,
 )
 
 LAYERS, DIM, HEADS, FFN = 12, 1024, 16, 4096  # ts_lm_large
@@ -81,7 +90,8 @@ def flops_per_token(vocab: int, seq: int) -> dict:
 def train_cmd(data: Path, args) -> list:
     return [
         tool("fairseq-train"), str(data), "--user-dir", str(USER_DIR),
-        "--task", "language_modeling", "--tokens-per-sample", str(args.tokens_per_sample), "--sample-break-mode", "none",
+        "--task", "language_modeling", "--tokens-per-sample", str(args.tokens_per_sample),
+        "--sample-break-mode", "none",
         "--arch", "ts_lm_large", "--backbone", args.backbone, "--share-decoder-input-output-embed", "--dropout", "0.1",
         "--cpu", "--optimizer", "adam", "--lr", "5e-4", "--batch-size", str(args.batch_size),
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval", "1",

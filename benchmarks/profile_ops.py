@@ -22,9 +22,8 @@ import time
 from argparse import Namespace
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from _common import USER_DIR
+from torch.profiler import ProfilerActivity, profile
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,8 +74,8 @@ def train_step_fn(args):
     model.train()
     b, t = args.batch_size, args.tokens_per_sample
     tokens = torch.randint(dictionary.nspecial, len(dictionary), (b, t + 1))
-    sample = {"id": torch.arange(b), "nsentences": b, "ntokens": b * t, "target": tokens[:, 1:],
-              "net_input": {"src_tokens": tokens[:, :-1], "src_lengths": torch.full((b,), t)}}
+    sample = {"id": torch.arange(b), "nsentences": b, "ntokens": b * t, "target": tokens[:, 1:].contiguous(),
+              "net_input": {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((b,), t)}}
     print(f"params: {sum(p.numel() for p in model.parameters()):,}; tokens/step: {b * t}")
 
     def step():

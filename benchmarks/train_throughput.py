@@ -1,7 +1,9 @@
 """Training throughput (words/s) of ``ts_lm`` (Magneto) against fairseq's stock
 ``transformer_lm`` of the same size, on the same data with the same fairseq-train flags.
 
-Runs alternate (ours, stock, ours, stock, ...) so both see the same machine load. Each run's
+Runs alternate (ours, stock, stock, ours, ...) so both see the same machine load; with
+``--concurrent`` each round runs ours and stock at the same time instead (for a machine so
+shared that the load changes within minutes: both then get the same share of it). Each run's
 throughput is the mean ``wps`` of its JSON ``train_inner`` records after the first
 ``--skip-logs`` (warm-up); the ratio ours/stock is taken per round and the median reported.
 
@@ -18,7 +20,16 @@ import tempfile
 from pathlib import Path
 
 from _common import (
-    REPO, USER_DIR, dict_size, load_average, median, now, preprocess_lm, run, tool, train_inner_logs,
+    REPO,
+    USER_DIR,
+    dict_size,
+    load_average,
+    median,
+    now,
+    preprocess_lm,
+    run_together,
+    tool,
+    train_inner_logs,
     write_lm_corpus,
 )
 
@@ -42,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--skip-logs", type=int, default=1, help="warm-up train_inner records dropped per run")
     p.add_argument("--rounds", type=int, default=3, help="alternating ours/stock rounds")
+    p.add_argument("--concurrent", action="store_true", help="run ours and stock at the same time in each round")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--extra", default="", help="extra fairseq-train flags for both models (space separated)")
     p.add_argument("--workdir", help="keep data and logs here (default: a temp dir, removed)")
@@ -59,15 +71,24 @@ def train_cmd(data: Path, model_args, args) -> list:
     ]
 
 
-def measure(data: Path, name: str, args, logdir: Path, round_no: int) -> float:
-    cmd = train_cmd(data, MODELS[name], args)
-    out = run(cmd, log=logdir / f"train_{name}_{round_no}.log")
+def mean_wps(name: str, out: str, skip: int) -> float:
     records = train_inner_logs(out)
-    kept = records[args.skip_logs:]
+    kept = records[skip:]
     if not kept:
-        raise SystemExit(f"{name}: no train_inner records after skipping {args.skip_logs} (got {len(records)})")
-    wps = [float(r["wps"]) for r in kept]
-    return statistics.mean(wps)
+        raise SystemExit(f"{name}: no train_inner records after skipping {skip} (got {len(records)})")
+    return statistics.mean(float(r["wps"]) for r in kept)
+
+
+def measure(data: Path, names, args, logdir: Path, round_no: int) -> dict:
+    """Train each of ``names`` (together if ``--concurrent``, else one after the other)."""
+    groups = [list(names)] if args.concurrent else [[n] for n in names]
+    wps = {}
+    for group in groups:
+        outs = run_together([train_cmd(data, MODELS[n], args) for n in group],
+                            [logdir / f"train_{n}_{round_no}.log" for n in group])
+        for n, out in zip(group, outs):
+            wps[n] = mean_wps(n, out, args.skip_logs)
+    return wps
 
 
 def main(argv=None) -> int:
@@ -89,14 +110,15 @@ def main(argv=None) -> int:
         print(f"data: {source} (dictionary {vocab} entries + 4 specials)")
         print("command (ours): " + " ".join(train_cmd(Path("DATA"), MODELS["ours"], args)))
         print("command (stock): " + " ".join(train_cmd(Path("DATA"), MODELS["stock"], args)))
+        print("runs: " + ("ours and stock concurrently in each round" if args.concurrent else "alternating"))
         results = {"ours": [], "stock": []}
         for r in range(args.rounds):
             order = ("ours", "stock") if r % 2 == 0 else ("stock", "ours")
+            load = load_average()
+            wps = measure(data, order, args, work, r)
             for name in order:
-                load = load_average()
-                wps = measure(data, name, args, work, r)
-                results[name].append(wps)
-                print(f"round {r + 1} {name:5s}: {wps:8.1f} wps  (load avg before: {load})", flush=True)
+                results[name].append(wps[name])
+                print(f"round {r + 1} {name:5s}: {wps[name]:8.1f} wps  (load avg before round: {load})", flush=True)
             print(f"round {r + 1} ratio ours/stock: {results['ours'][-1] / results['stock'][-1]:.3f}", flush=True)
         ratios = [o / s for o, s in zip(results["ours"], results["stock"])]
         ratio = median(ratios)

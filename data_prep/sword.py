@@ -14,6 +14,7 @@ turns it into plain text (footnotes, headings and the KJV paragraph signs remove
 
 from __future__ import annotations
 
+import functools
 import html
 import os
 import re
@@ -157,8 +158,12 @@ def strip_markup(osis: str) -> str:
     return _SPACE_AFTER_OPEN.sub(r"\1", text)
 
 
-def aligned_verses(src: str, tgt: str, sword_path: str | None = None) -> list[tuple[Verse, Verse]]:
-    """Verse pairs of two modules with the same versification, skipping verses empty on either side."""
+@functools.lru_cache(maxsize=4)
+def aligned_verses(src: str, tgt: str, sword_path: str | None = None) -> tuple[tuple[Verse, Verse], ...]:
+    """Verse pairs of two modules with the same versification, skipping verses empty on either side.
+
+    Cached per process (reading and cleaning two whole Bibles takes seconds).
+    """
     if MODULES[src].versification != MODULES[tgt].versification:
         raise ValueError(f"modules {src} and {tgt} use different versifications")
     pairs = []
@@ -167,7 +172,7 @@ def aligned_verses(src: str, tgt: str, sword_path: str | None = None) -> list[tu
             raise SwordModuleError(f"verse order differs: {a.ref} vs {b.ref}")
         if a.text and b.text:
             pairs.append((a, b))
-    return pairs
+    return tuple(pairs)
 
 
 def chapter_documents(key: str, sword_path: str | None = None) -> list[list[str]]:

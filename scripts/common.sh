@@ -88,6 +88,8 @@ ts_launch() {
 }
 
 # ts_train SAVE_DIR ARGS...: fairseq-train with JSON logs, shown and appended to SAVE_DIR/train.log.
+# --required-batch-size-multiple 1: fairseq-fixed drops a last batch that is not a multiple of it,
+# which would silently leave sentences out of validation (and empty a tiny dataset).
 ts_train() {
   local save="$1"
   shift
@@ -95,7 +97,8 @@ ts_train() {
   say "training; log: $save/train.log"
   # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
   ts_launch fairseq-train "$@" --save-dir "$save" --log-format json --log-interval "$LOG_INTERVAL" \
-    --no-epoch-checkpoints "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 | tee -a "$save/train.log"
+    --no-epoch-checkpoints --required-batch-size-multiple 1 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 \
+    | tee -a "$save/train.log"
   [ -f "$save/checkpoint_last.pt" ] || [ -f "$save/checkpoint_last-shard0.pt" ] \
     || die "training wrote no checkpoint in $save; see $save/train.log"
 }

@@ -4,7 +4,13 @@
 #   2. prepare the gensim Wikipedia excerpt with GPT-2 BPE into $DATA_DIR (skipped if already there),
 #   3. train a small Magneto language model on CPU (resumes from $SAVE_DIR/checkpoint_last.pt;
 #      skipped once $SAVE_DIR/train.log reports $MAX_UPDATE updates),
-#   4. report the validation perplexity (fairseq-eval-lm) and sample a continuation of $PROMPT.
+#   4. report the validation perplexity (fairseq-eval-lm) and sample a continuation of $PROMPT,
+#   5. prepare the English-Spanish Bible (KJV / Reina-Valera 1909, aligned by verse, joint
+#      SentencePiece) into $NMT_DATA, train a small X-MoE translation model with SparseClip
+#      (scripts/nmt/train_moe.sh at SCALE=tiny, resumable), and report BLEU and chrF on the
+#      held-out test set (scripts/nmt/evaluate.sh),
+#   6. plot validation perplexity, routing entropy and clipped updates (ts-plot-logs) into $PLOT_DIR
+#      and print a summary table. NMT=0 skips steps 5-6's translation part.
 # Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
 set -euo pipefail
 trap 'echo "[demo] error: the step at scripts/demo.sh line $LINENO failed; see the output above" >&2' ERR
@@ -30,6 +36,14 @@ EVAL_CONTEXT_WINDOW="${EVAL_CONTEXT_WINDOW:-0}"
 PROMPT="${PROMPT:-The history of}"
 SAMPLE_LEN="${SAMPLE_LEN:-40}"
 SAMPLE_TOPK="${SAMPLE_TOPK:-10}"
+NMT="${NMT:-1}"                            # 0: language model only
+NMT_DATA="${NMT_DATA:-data-bin/kjv_sparv_spm}"
+NMT_VOCAB="${NMT_VOCAB:-4000}"
+NMT_SAVE_DIR="${NMT_SAVE_DIR:-checkpoints/demo_nmt_moe}"
+NMT_EXPERTS="${NMT_EXPERTS:-4}"
+NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-200}"
+NMT_BEAM="${NMT_BEAM:-2}"
+PLOT_DIR="${PLOT_DIR:-checkpoints/demo_plots}"
 
 PY="$VENV/bin/python"
 USER_DIR="$ROOT/torchscale_fairseq"
@@ -55,7 +69,7 @@ fi
 mkdir -p "$SAVE_DIR"
 logged_updates() {
   [ -f "$SAVE_DIR/train.log" ] || return 0
-  sed -n 's/.*num_updates[ =]\([0-9]*\).*/\1/p' "$SAVE_DIR/train.log" | tail -n 1
+  sed -n 's/.*"\(train_\)\{0,1\}num_updates": "\([0-9]*\)".*/\2/p' "$SAVE_DIR/train.log" | tail -n 1
 }
 DONE="$(logged_updates)"
 if [ -f "$SAVE_DIR/checkpoint_best.pt" ] && [ "${DONE:-0}" -ge "$MAX_UPDATE" ]; then
@@ -70,7 +84,7 @@ else
     --optimizer adam --adam-betas '(0.9,0.98)' --lr "$LR" \
     --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" \
     --batch-size "$BATCH_SIZE" --max-update "$MAX_UPDATE" --seed "$SEED" --cpu \
-    --save-dir "$SAVE_DIR" --log-format simple --log-interval "$LOG_INTERVAL" \
+    --save-dir "$SAVE_DIR" --log-format json --log-interval "$LOG_INTERVAL" \
     --no-epoch-checkpoints $EXTRA_TRAIN_ARGS 2>&1 | tee -a "$SAVE_DIR/train.log"
 fi
 [ -f "$SAVE_DIR/checkpoint_best.pt" ] || { echo "[demo] error: training wrote no $SAVE_DIR/checkpoint_best.pt; see $SAVE_DIR/train.log" >&2; exit 1; }
@@ -90,6 +104,31 @@ SAMPLE="$("$PY" -m data_prep.sample_lm --checkpoint-dir "$SAVE_DIR" --data "$DAT
   --user-dir "$USER_DIR" 2> "$SAVE_DIR/sample.log" | tail -n 1)" \
   || { tail -n 5 "$SAVE_DIR/sample.log" >&2; echo "[demo] error: sampling failed; see $SAVE_DIR/sample.log" >&2; exit 1; }
 
+PLOT_LOGS=("$SAVE_DIR/train.log")
+BLEU="-" CHRF="-"
+if [ "$NMT" = 1 ]; then
+  if [ -f "$NMT_DATA/spm.model" ] && [ -f "$NMT_DATA/test.en-es.es.idx" ]; then
+    say "using the prepared translation data in $NMT_DATA"
+  else
+    say "preparing $NMT_DATA (KJV / Reina-Valera 1909 verse pairs, joint SentencePiece $NMT_VOCAB)"
+    "$PY" -m data_prep.prepare_nmt --out-dir "$NMT_DATA" --vocab-size "$NMT_VOCAB" --force
+  fi
+  say "training a small X-MoE translation model ($NMT_EXPERTS experts, SparseClip) up to $NMT_MAX_UPDATE updates"
+  SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" EXPERTS="$NMT_EXPERTS" CLIP=sparse \
+    MAX_UPDATE="$NMT_MAX_UPDATE" EMBED_DIM="${NMT_EMBED_DIM:-128}" FFN_DIM="${NMT_FFN_DIM:-256}" HEADS=4 \
+    MAX_TOKENS="${NMT_MAX_TOKENS:-2048}" TOTAL_TOKENS="${NMT_MAX_TOKENS:-2048}" LR="${NMT_LR:-2e-3}" \
+    WARMUP="${NMT_WARMUP:-50}" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates 50" \
+    bash "$ROOT/scripts/nmt/train_moe.sh"
+  say "BLEU and chrF on the held-out test set"
+  SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" BEAM="$NMT_BEAM" VENV="$VENV" \
+    bash "$ROOT/scripts/nmt/evaluate.sh"
+  BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
+  CHRF="$(sed -n 's/^chrf \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
+  PLOT_LOGS+=("$NMT_SAVE_DIR/train.log")
+fi
+say "plots into $PLOT_DIR"
+"$PY" -m torchscale_fairseq.cli.plot_logs "${PLOT_LOGS[@]}" --out-dir "$PLOT_DIR" 2>&1 | grep -v tensorboardX || true
+
 UPDATES="$(logged_updates)"
 echo
 echo "================ demo summary ================"
@@ -97,3 +136,9 @@ echo "data:        $DATA_DIR (GPT-2 BPE; fairseq id = GPT-2 id + 4)"
 echo "model:       $ARCH, backbone $BACKBONE, ${UPDATES:-?} updates, $SAVE_DIR/checkpoint_best.pt"
 echo "valid:       loss ${VALID_LOSS:-?} bits/token, perplexity ${VALID_PPL:-?}"
 echo "sample:      $SAMPLE"
+if [ "$NMT" = 1 ]; then
+  echo "nmt data:    $NMT_DATA (KJV -> Reina-Valera 1909, $(wc -l < "$NMT_DATA/raw/train.en") train / $(wc -l < "$NMT_DATA/raw/test.en") test pairs)"
+  echo "nmt model:   X-MoE ts_transformer_tiny, $NMT_EXPERTS experts, SparseClip, $NMT_SAVE_DIR"
+  echo "nmt test:    BLEU $BLEU, chrF $CHRF ($NMT_SAVE_DIR/bleu_test.txt)"
+fi
+echo "plots:       $PLOT_DIR/*.png"

@@ -7,6 +7,7 @@ fairseq and applies the compatibility fixes in :mod:`torchscale_fairseq.compat`.
 
 from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
 from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
+from torchscale_fairseq.compat.checkpoint_reads import patch_checkpoint_reads
 from torchscale_fairseq.compat.checkpoint_writes import patch_checkpoint_writes
 from torchscale_fairseq.compat.nonfinite_skip import patch_nonfinite_skip
 from torchscale_fairseq.compat.model_parallel_init import patch_fairseq_model_parallel
@@ -26,6 +27,7 @@ install_excepthook()
 patch_trainer_expert_checkpoints()
 patch_overflow_on_cpu()
 patch_distributed_wrapper()
+patch_checkpoint_reads()  # last: wraps the loader the patches above installed
 
 from torchscale_fairseq import models  # noqa: E402,F401  (registers ts_lm, ts_transformer, ts_mlm)
 from torchscale_fairseq.criterions import moe_criterions  # noqa: E402,F401  (registers the moe_* criterions)

@@ -27,13 +27,27 @@ def config_error_in_chain(exc: Optional[BaseException]) -> Optional[TsConfigErro
     return None
 
 
+def _fairseq_input_error(exc: Optional[BaseException]) -> Optional[str]:
+    """fairseq's own input errors that already say what to do: missing data (``Dataset not
+    found``, a missing ``dict.txt``) and samples longer than the model's positions."""
+    if isinstance(exc, FileNotFoundError):
+        what = str(exc) if "Dataset not found" in str(exc) else f"{exc.strerror}: {exc.filename}"
+        return f"{what}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
+    if type(exc) is Exception and "--skip-invalid-size-inputs-valid-test" in str(exc):
+        return str(exc).splitlines()[0]
+    return None
+
+
 def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
-    error = config_error_in_chain(exc)
+    error = config_error_in_chain(exc) or _fairseq_input_error(exc)
     if error is None:
         _previous(exc_type, exc, tb)
         return
-    sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {error}\n")
-    sys.stderr.flush()
+    # the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a
+    # buffer it prints only after the previous hook returns, and this one never does
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {error}\n")
+    stream.flush()
     os._exit(2)
 
 

@@ -18,7 +18,7 @@ say "fairseq-eval-lm $CKPT on $DATA/$SUBSET; log: $LOG"
 # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
 "$BIN/fairseq-eval-lm" "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset "$SUBSET" \
   --tokens-per-sample "$TOKENS_PER_SAMPLE" --context-window "$CONTEXT_WINDOW" --batch-size "$BATCH_SIZE" \
-  --num-workers 0 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} > "$LOG" 2>&1 \
+  --required-batch-size-multiple 1 --num-workers 0 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} > "$LOG" 2>&1 \
   || { tail -n 5 "$LOG" >&2; die "fairseq-eval-lm failed; see $LOG"; }
 PPL="$(sed -n 's/.*Perplexity: \([0-9.]*\).*/\1/p' "$LOG" | tail -n 1)"
 LOSS="$(sed -n 's/.*Loss (base 2): \([0-9.]*\),.*/\1/p' "$LOG" | tail -n 1)"

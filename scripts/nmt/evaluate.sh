@@ -25,6 +25,7 @@ say "fairseq-generate $CKPT on $DATA/$SUBSET (beam $BEAM); output: $GEN"
 "$BIN/fairseq-generate" "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --task translation \
   --source-lang "$SRC_LANG" --target-lang "$TGT_LANG" --gen-subset "$SUBSET" --beam "$BEAM" \
   --lenpen "$LENPEN" --max-len-a 1.2 --max-len-b "$MAX_LEN_B" --max-tokens "$MAX_TOKENS" --num-workers 0 \
+  --required-batch-size-multiple 1 \
   "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} > "$GEN" 2> "$SAVE_DIR/generate_$SUBSET.log" \
   || { tail -n 5 "$SAVE_DIR/generate_$SUBSET.log" >&2; die "fairseq-generate failed; see $SAVE_DIR/generate_$SUBSET.log"; }
 "$PY" -m data_prep.score_nmt --generate-output "$GEN" --spm-model "$DATA/spm.model" \

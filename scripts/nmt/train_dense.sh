@@ -5,7 +5,9 @@
 # SentencePiece data of
 #   python -m data_prep.prepare_nmt --out-dir data-bin/kjv_sparv_spm       (or your own files)
 # Residual form via BACKBONE (magneto, deepnorm, preln, postln).
-# SCALE=tiny: 2-2 layers, d=64, 30 updates on CPU (DATA defaults to data-bin/kjv_sparv_spm_tiny).
+# SCALE=tiny: 2-2 layers, d=64, 30 updates on CPU (DATA defaults to data-bin/kjv_sparv_spm_tiny, from
+#   python -m data_prep.prepare_nmt --max-pairs 400 --valid-size 40 --test-size 40 --vocab-size 500 \
+#     --out-dir data-bin/kjv_sparv_spm_tiny).
 # Other knobs: DATA SRC_LANG TGT_LANG SAVE_DIR ENC_LAYERS DEC_LAYERS LR WARMUP MAX_UPDATE TOTAL_TOKENS
 # MAX_TOKENS CLIP_NORM EXTRA_ARGS, NNODES NPROC_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT SLURM MP DEVICE.
 #   e.g.  LAYERS=48 BACKBONE=postln NPROC_PER_NODE=8 bash scripts/nmt/train_dense.sh

@@ -8,8 +8,8 @@
 - ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts, and the size-1 checkpoint
   scores like the size-2 parts (``fairseq-eval-lm``);
 - ``fairseq-generate`` at size 2 equals size 1 on the resharded checkpoint;
-- loading parts at another size, or asking for N > 1 without processes, is a one-line
-  error.
+- loading parts at another size (also from inside a distributed run), or asking for
+  N > 1 without processes, is a one-line error.
 
 Every process start costs seconds on the shared CPU, so the runs of each phase are
 launched together.
@@ -98,6 +98,8 @@ def evaluations(runs, tmp_path_factory) -> dict:
         "eval1": ("fairseq-eval-lm", _eval_lm_args(runs["lm_bin"], lm_one), 1),
         "gen2": ("fairseq-generate", [*gen, "--path", str(mt_parts), "--model-parallel-size", "2"], 2),
         "gen1": ("fairseq-generate", [*gen, "--path", str(mt_one)], 1),
+        "size_mismatch": ("fairseq-eval-lm", [*_eval_lm_args(runs["lm_bin"], lm_one), "--model-parallel-size", "2"],
+                          2),
     }
     procs, logs = [], {}
     for name, (tool, args, world) in jobs.items():
@@ -111,10 +113,14 @@ def evaluations(runs, tmp_path_factory) -> dict:
     }
     error_procs = {name: launch([*cmd, "--user-dir", str(USER_DIR), "--cpu"], root / f"{name}.log")
                    for name, cmd in errors.items()}
-    wait_all(procs, [log for name in jobs for log in logs[name]], timeout=600)
+    mismatch = procs[-2:]
+    wait_all(procs[:-2], [log for name in jobs if name != "size_mismatch" for log in logs[name]], timeout=600)
     codes = {name: p.wait(timeout=600) for name, p in error_procs.items()}
-    return {"logs": logs, "lm_parts": lm_parts, "lm_two": lm_two, "codes": codes,
-            "error_logs": {name: root / f"{name}.log" for name in errors}}
+    codes["size_mismatch"] = mismatch[0].wait(timeout=600)
+    mismatch[1].wait(timeout=600)
+    error_logs = {name: root / f"{name}.log" for name in errors}
+    error_logs["size_mismatch"] = logs["size_mismatch"][0]
+    return {"logs": logs, "lm_parts": lm_parts, "lm_two": lm_two, "codes": codes, "error_logs": error_logs}
 
 
 def assert_same_trajectory(log1: Path, log2: Path, keys: tuple[str, ...], updates: int = UPDATES) -> None:
@@ -196,6 +202,7 @@ def test_generate_tensor_parallel_equals_single_process(evaluations):
 
 @pytest.mark.parametrize("case,needle", [
     ("parts_base", "ts-reshard"), ("part_file", "ts-reshard"), ("no_processes", "needs a multi-process run"),
+    ("size_mismatch", "ts-reshard"),
 ])
 def test_one_line_errors(evaluations, case, needle):
     text = evaluations["error_logs"][case].read_text()

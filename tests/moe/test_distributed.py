@@ -100,3 +100,8 @@ def test_translation_train_consolidate_generate(tmp_path, moe_mt_data):
     text = gen.stdout + gen.stderr
     assert sum(1 for ln in text.splitlines() if ln.startswith("H-")) == 40
     assert "BLEU" in text
+
+
+def test_uneven_token_counts_do_not_hang():
+    """Rank 0 routes 6 tokens, rank 1 22; then rank 1 has only padding (0 tokens)."""
+    run([sys.executable, "-m", "tests.moe.uneven_worker", str(free_port())], timeout=120)

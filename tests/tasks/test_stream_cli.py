@@ -87,8 +87,8 @@ def test_sigkill_resume_gives_the_same_samples(prepared: Path, trained: tuple[Pa
         proc.wait()
     killed = _losses(log.read_text())
     assert [killed[u] for u in (1, 2, 3)] == [full[u] for u in (1, 2, 3)]
-    resumed = _losses(run([tool("fairseq-train"), prepared / "stream", *TRAIN, "--max-update", "6",
-                           "--save-dir", save]).stderr)
+    proc = run([tool("fairseq-train"), prepared / "stream", *TRAIN, "--max-update", "6", "--save-dir", save])
+    resumed = _losses(proc.stdout + proc.stderr)
     assert sorted(resumed) == [4, 5, 6], resumed
     assert [resumed[u] for u in (4, 5, 6)] == [full[u] for u in (4, 5, 6)]
 

@@ -63,7 +63,9 @@ def consolidate(states: list[dict], names: list[str]) -> dict:
         if rank is None or world is None:
             raise TsConfigError(f"{name} records no distributed rank: it is not an expert-parallel shard")
         if world != len(states):
-            raise TsConfigError(f"{name} is one of {world} shards but {len(states)} were given: pass every shard of one run")
+            raise TsConfigError(
+                f"{name} is one of {world} shards but {len(states)} were given: pass every shard of one run"
+            )
         if rank in by_rank:
             raise TsConfigError(f"{name} and {by_rank[rank][1]} are both rank {rank}: shards from different runs")
         by_rank[rank] = (state, name)
@@ -90,7 +92,8 @@ def consolidate(states: list[dict], names: list[str]) -> dict:
     group = num_experts // local
     if group * local != num_experts or len(states) % group != 0:
         raise TsConfigError(
-            f"{len(states)} shards with {local} experts each cannot hold {num_experts} experts: shards from different runs"
+            f"{len(states)} shards with {local} experts each cannot hold {num_experts} experts: "
+            "shards from different runs"
         )
     merged = {}
     for key, tensor in first["model"].items():
@@ -98,7 +101,9 @@ def consolidate(states: list[dict], names: list[str]) -> dict:
             merged[key] = torch.cat([by_rank[r][0]["model"][key] for r in range(group)])
             for r in range(group, len(states)):
                 if not torch.equal(by_rank[r][0]["model"][key], by_rank[r % group][0]["model"][key]):
-                    raise TsConfigError(f"{by_rank[r][1]} holds an expert replica that differs: shards from different runs")
+                    raise TsConfigError(
+                        f"{by_rank[r][1]} holds an expert replica that differs: shards from different runs"
+                    )
         else:
             for r in range(1, len(states)):
                 if not torch.equal(by_rank[r][0]["model"][key], tensor):

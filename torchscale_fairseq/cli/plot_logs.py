@@ -4,6 +4,9 @@ Each LOG is a file holding fairseq-train's console output (e.g. ``train.log`` wr
 ``scripts/`` recipes with ``tee``); one line is drawn per run. Written to ``--out-dir``:
 
 * ``valid_ppl.png``: validation perplexity against updates (TorchScale paper Figures 1-2);
+Training curves use the per-interval ``train_inner`` records, or the per-epoch ``train``
+records when a run logged no interval (fewer updates than ``--log-interval``).
+
 * ``routing_entropy.png``: routing entropy (training log keys containing ``entropy``, e.g.
   ``moe_entropy`` of the MoE criterions) against updates (Figure 4);
 * ``clipping.png``: cumulative number of clipped updates against updates, from fairseq's
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from collections.abc import Sequence
@@ -87,16 +91,23 @@ def valid_ppl(run: RunLog) -> tuple[list[float], list[float]]:
     return series(run.records["valid"], "valid_ppl", "valid_num_updates")
 
 
+def training_records(run: RunLog) -> list[dict]:
+    """Per-interval training records, or the per-epoch ones (``train_`` prefix removed) if there are none."""
+    if run.records["train_inner"]:
+        return run.records["train_inner"]
+    return [{k.removeprefix("train_"): v for k, v in r.items()} for r in run.records["train"]]
+
+
 def entropy_keys(run: RunLog) -> list[str]:
-    """Training-interval keys that hold a routing entropy."""
-    return sorted({k for r in run.records["train_inner"] for k in r if "entropy" in k})
+    """Training keys that hold a routing entropy."""
+    return sorted({k for r in training_records(run) for k in r if "entropy" in k})
 
 
 def clipped_updates(run: RunLog) -> tuple[list[float], list[float]]:
     """Cumulative number of clipped updates against updates, from the per-interval ``clip`` percentage."""
     xs, ys = [], []
     previous, total = 0.0, 0.0
-    for record in run.records["train_inner"]:
+    for record in training_records(run):
         updates, clip = _number(record.get("num_updates")), _number(record.get("clip"))
         if updates is None or clip is None:
             continue
@@ -108,6 +119,7 @@ def clipped_updates(run: RunLog) -> tuple[list[float], list[float]]:
 
 
 def _figure(title: str, ylabel: str, log_y: bool = False):  # noqa: ANN202 (matplotlib types)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,13 +161,13 @@ def plot_runs(runs: list[RunLog], out_dir: Path) -> tuple[list[Path], list[str]]
     else:
         notes.append("valid_ppl.png skipped: no 'valid_ppl' in the logs (validation never ran?)")
 
-    entropy = [(run.label, key, *series(run.records["train_inner"], key, "num_updates"))
+    entropy = [(run.label, key, *series(training_records(run), key, "num_updates"))
                for run in runs for key in entropy_keys(run)]
     if any(xs for *_, xs, _ in entropy):
         fig, ax = _figure("Routing entropy", "entropy")
         for label, key, xs, ys in entropy:
             if xs:
-                ax.plot(xs, ys, label=f"{label} ({key})" if key != "moe_entropy" else label)
+                ax.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({key})" if key != "moe_entropy" else label)
         written.append(_save(fig, ax, out_dir / "routing_entropy.png"))
     else:
         notes.append("routing_entropy.png skipped: no '*entropy*' key in the training logs (no MoE run?)")
@@ -165,7 +177,7 @@ def plot_runs(runs: list[RunLog], out_dir: Path) -> tuple[list[Path], list[str]]
         fig, ax = _figure("Clipped updates", "number of clipped updates (cumulative)")
         for label, xs, ys in clips:
             if xs:
-                ax.plot(xs, ys, label=label)
+                ax.plot([0.0, *xs], [0.0, *ys], marker="o", markersize=3, label=label)
         written.append(_save(fig, ax, out_dir / "clipping.png"))
     else:
         notes.append("clipping.png skipped: no 'clip' key in the training logs (trained without --clip-norm?)")

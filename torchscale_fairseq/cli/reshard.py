@@ -6,9 +6,11 @@
 ``NAME-model_part-K.pt`` of a size-N checkpoint or the single ``NAME.pt``. The output is
 ``OUTPUT`` for ``--size 1``, else ``OUTPUT`` with ``-model_part-K`` for every new rank K.
 Sharded parameters follow the layout recorded in the checkpoint (split dimension,
-Q/K/V stride, padded vocabulary), everything else is copied from part 0. Optimizer
-state and the per-rank RNG streams are not carried over (continue with
-``--reset-optimizer``; the streams are reseeded).
+Q/K/V stride, padded vocabulary), everything else is copied from part 0. Per-parameter
+optimizer moments (Adam's ``exp_avg``/``exp_avg_sq``, ...) are resharded like their
+parameters; an optimizer state that is not per-parameter (fp16's flat master copy) is
+dropped, and training continues with ``--reset-optimizer``. The per-rank RNG streams are
+reseeded.
 """
 
 from __future__ import annotations
@@ -63,6 +65,36 @@ def _set_size(state: dict[str, Any], size: int, rank: int) -> None:
         state["args"].model_parallel_size = size
 
 
+def reshard_optimizer(
+    states: list[dict[str, Any]], layout: dict, names: list[str] | None, size: int
+) -> list[dict[str, Any]] | None:
+    """The optimizer states of the new parts, or ``None`` when they cannot be mapped to
+    parameters (no state, no recorded names, or moments not shaped like their parameter)."""
+    optimizers = [s.get("last_optimizer_state") for s in states]
+    if names is None or any(not isinstance(o, dict) or not isinstance(o.get("state"), dict) for o in optimizers):
+        return None
+    moments = [o["state"] for o in optimizers]
+    if any(not isinstance(i, int) or i >= len(names) for i in moments[0]):
+        return None
+    new = [{**copy.deepcopy({k: v for k, v in optimizers[0].items() if k != "state"}), "state": {}}
+           for _ in range(size)]
+    for index, entry in moments[0].items():
+        name = names[index]
+        for rank in range(size):
+            new[rank]["state"][index] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != states[0]["model"][name].shape:
+                    return None
+                shards = (reshard([m[index][key] for m in moments], layout[name], size) if name in layout
+                          else [value] * size)
+            else:
+                shards = [value] * size
+            for rank in range(size):
+                new[rank]["state"][index][key] = shards[rank]
+    return new
+
+
 def reshard_states(states: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
     """The ``size`` checkpoint states of the tensor-parallel checkpoint ``states``."""
     n = len(states)
@@ -86,11 +118,14 @@ def reshard_states(states: list[dict[str, Any]], size: int) -> list[dict[str, An
         else:
             for rank in range(size):
                 new_models[rank][key] = value
+    optimizers = reshard_optimizer(states, layout, recorded.get("params"), size)
     out = []
     for rank in range(size):
         state = copy.deepcopy({k: v for k, v in states[0].items() if k not in ("model", "last_optimizer_state")})
         state["model"] = new_models[rank]
-        state["extra_state"][TP_STATE_KEY] = {"size": size, "layout": layout, "rng": {}}
+        if optimizers is not None:
+            state["last_optimizer_state"] = optimizers[rank]
+        state["extra_state"][TP_STATE_KEY] = {**recorded, "size": size, "rng": {}}
         _set_size(state, size, rank)
         out.append(state)
     return out
@@ -116,8 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     for state, path in zip(new_states, output_paths(args.output, args.size)):
         torch.save(state, path)
         print(f"wrote {path}")
-    print(f"resharded {len(paths)} -> {args.size} part(s); optimizer state dropped: continue training with "
-          "--reset-optimizer", file=sys.stderr)
+    kept = all("last_optimizer_state" in s for s in new_states)
+    note = "optimizer state resharded" if kept else "optimizer state dropped: continue training with --reset-optimizer"
+    print(f"resharded {len(paths)} -> {args.size} part(s); {note}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ restored from the checkpoint.
 
 Every checkpoint (any N, through a wrapper of ``Trainer.state_dict``) records in
 ``extra_state["ts_tensor_parallel"]`` the size N, the layout of the sharded parameters
-(:func:`~torchscale_fairseq.model_parallel.partition.layout`, used by ``ts-reshard``)
-and the RNG tracker's state.
+(:func:`~torchscale_fairseq.model_parallel.partition.layout`), the names of the trainable
+parameters in optimizer order (both used by ``ts-reshard``) and the RNG tracker's state.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def tensor_parallel_state(model) -> dict:
     return {
         "size": get_tensor_parallel_world_size(),
         "layout": layout(model),
+        "params": [name for name, p in model.named_parameters() if p.requires_grad],
         "rng": get_rng_tracker().state_dict(),
     }
 

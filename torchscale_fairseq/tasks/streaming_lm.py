@@ -100,7 +100,8 @@ class StreamingLMTask(LanguageModelingTask):
         """The resumable stream iterator for training, fairseq's own for held-out splits."""
         dp_rank, dp_size = process_groups.get_data_parallel_rank(), process_groups.get_data_parallel_world_size()
         if not isinstance(dataset, StreamSource):
-            kwargs.update(num_shards=dp_size, shard_id=dp_rank)
+            # every held-out block once: fairseq would drop a remainder that is not a multiple of 8
+            kwargs.update(num_shards=dp_size, shard_id=dp_rank, required_batch_size_multiple=1)
             return super().get_batch_iterator(
                 dataset, max_tokens=max_tokens, max_sentences=max_sentences, num_workers=num_workers, epoch=epoch,
                 **kwargs,

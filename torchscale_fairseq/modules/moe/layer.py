@@ -101,7 +101,8 @@ class MoELayer(nn.Module):
         num_experts, dim = self.cfg.expert_count, tokens.size(-1)
         capacity = int(routing.slot.max()) + 1 if routing.slot.numel() > 0 else 0
         index = routing.expert * capacity + routing.slot
-        buffer = tokens.new_zeros(num_experts * capacity, dim).index_copy(0, index, tokens.index_select(0, routing.token))
+        routed = tokens.index_select(0, routing.token)
+        buffer = tokens.new_zeros(num_experts * capacity, dim).index_copy(0, index, routed)
         out = self.run_experts(buffer.view(num_experts, capacity, dim))
         weighted = out.reshape(-1, dim).index_select(0, index) * routing.gate.to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, routing.token, weighted)

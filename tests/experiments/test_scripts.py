@@ -1,0 +1,126 @@
+"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), then ts-plot-logs on the logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sacrebleu
+
+from data_prep import prepare_lm, prepare_nmt
+from tests.experiments.test_prepare_nmt import EN, ES
+from torchscale_fairseq.cli import plot_logs
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(sys.executable).parent.parent
+TRAININGS = {
+    "lm_dense": ("lm/train_dense.sh", {"BACKBONE": "deepnorm", "LAYERS": "3"}),
+    "lm_moe": ("lm/train_moe.sh", {"EXPERTS": "2", "CLIP": "vanilla"}),
+    "nmt_dense": ("nmt/train_dense.sh", {"BACKBONE": "postln"}),
+    "nmt_moe": ("nmt/train_moe.sh", {"EXPERTS": "2", "CLIP": "sparse"}),
+}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, VENV=str(VENV), SCALE="tiny", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
+
+
+def _start(script: str, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
+    outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny LM and NMT data, the four training recipes run side by side, then the two evaluations each."""
+    root = tmp_path_factory.mktemp("scripts")
+    docs = "\n\n".join(f"{EN[i]}\n{EN[i + 1]} {EN[i + 2]}" for i in range(0, 57, 3))
+    (root / "lm.txt").write_text(docs + "\n", encoding="utf-8")
+    prepare_lm.main(["--train-text", str(root / "lm.txt"), "--out-dir", str(root / "lm-bin"), "--workers", "1",
+                     "--valid-fraction", "0.1", "--test-fraction", "0.1"])
+    (root / "all.en").write_text("\n".join(EN) + "\n", encoding="utf-8")
+    (root / "all.es").write_text("\n".join(ES) + "\n", encoding="utf-8")
+    prepare_nmt.main(["--train-src", str(root / "all.en"), "--train-tgt", str(root / "all.es"), "--out-dir",
+                      str(root / "nmt-bin"), "--valid-size", "5", "--test-size", "4", "--vocab-size", "120",
+                      "--workers", "1"])
+    saves = {name: root / name for name in TRAININGS}
+    common = {"MAX_UPDATE": "3", "LOG_INTERVAL": "1"}
+    data = {name: str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")) for name in TRAININGS}
+    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]), **common, **extra)
+             for name, (script, extra) in TRAININGS.items()})
+    _finish({name: _start(f"{name.split('_')[0]}/evaluate.sh", DATA=data[name], SAVE_DIR=str(saves[name]), BEAM="1",
+                          MAX_LEN_B="8") for name in TRAININGS})
+    return saves
+
+
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe"])
+def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
+    save = runs[name]
+    assert (save / "checkpoint_best.pt").is_file()
+    log = plot_logs.parse_log(save / "train.log")
+    assert [r["num_updates"] for r in log.records["train_inner"]] == ["1", "2", "3"]
+    assert log.records["valid"][-1]["valid_num_updates"] == "3"
+    if name == "lm_moe":
+        assert "moe_entropy" in log.records["train_inner"][-1]
+    fields = dict(line.split(" ", 1) for line in (save / "eval_test.txt").read_text().splitlines())
+    ppl, loss2 = float(fields["perplexity"]), float(fields["loss_base2"])
+    assert fields["subset"] == "test" and ppl > 1
+    assert ppl == pytest.approx(2**loss2, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["nmt_dense", "nmt_moe"])
+def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name: str) -> None:
+    save = runs[name]
+    hyps = (save / "hyp_test.es").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 4
+    scores = dict(line.split(" ", 1) for line in (save / "bleu_test.txt").read_text().splitlines())
+    refs = ES[-4:]
+    assert float(scores["bleu"]) == pytest.approx(round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2))
+    assert float(scores["chrf"]) == pytest.approx(round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
+    log = plot_logs.parse_log(save / "train.log")
+    if name == "nmt_moe":
+        last = log.records["train_inner"][-1]
+        assert {"moe_entropy", "gnorm_dense", "gnorm_expert", "clip"} <= set(last)
+
+
+def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: Path) -> None:
+    logs = [str(runs[name] / "train.log") for name in TRAININGS]
+    written = plot_logs.main([*logs, "--out-dir", str(tmp_path)])
+    assert sorted(p.name for p in written) == ["clipping.png", "routing_entropy.png", "valid_ppl.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    log = plot_logs.parse_log(runs["nmt_moe"] / "train.log")
+    clips = [float(r["clip"]) for r in log.records["train_inner"]]
+    assert plot_logs.clipped_updates(log) == ([1.0, 2.0, 3.0], pytest.approx(
+        [sum(clips[: i + 1]) / 100 for i in range(3)]))
+    dense = plot_logs.parse_log(runs["lm_dense"] / "train.log")
+    assert plot_logs.entropy_keys(dense) == []
+
+
+def test_plot_tool_rejects_a_log_without_json_records(tmp_path: Path) -> None:
+    (tmp_path / "x.log").write_text("2026 | INFO | train | epoch 001 | loss 3.2\n")
+    with pytest.raises(SystemExit, match="no fairseq JSON log records"):
+        plot_logs.main([str(tmp_path / "x.log"), "--out-dir", str(tmp_path)])
+
+
+def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
+    for script, extra, message in (
+        ("lm/train_dense.sh", {"SCALE": "huge"}, "SCALE=huge: choose full or tiny"),
+        ("lm/train_dense.sh", {"DATA": str(tmp_path)}, f"{tmp_path}/dict.txt not found"),
+        ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
+        ("nmt/evaluate.sh", {}, "set SAVE_DIR"),
+    ):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0
+        assert proc.stderr.strip().splitlines()[-1].endswith(message), proc.stderr

@@ -1,0 +1,73 @@
+"""Every case of the bad-input matrix exits non-zero with one line naming the problem,
+no traceback, nothing written, nothing overwritten."""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, tool
+from tests.reliability.bad_inputs import CASES, render_troubleshooting
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class RunsCodeOnLoad:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.fixture(scope="module")
+def ctx(lm_data, mt_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    other = root / "other"
+    other.mkdir()
+    make_text(other / "train.txt", 40, 5)
+    (other / "train.txt").write_text((other / "train.txt").read_text() + " ".join(f"x{i}" for i in range(40)) + "\n")
+    run([tool("fairseq-preprocess"), "--only-source", "--trainpref", other / "train.txt", "--validpref",
+         other / "train.txt", "--destdir", other / "bin", "--workers", "1"])
+    split = root / "split"
+    run([tool("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt", "--trainpref",
+         mt_data.parent / "train", "--validpref", mt_data.parent / "valid", "--destdir", split, "--workers", "1"])
+    ck = root / "ck"
+    run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "1",
+         "--save-dir", ck, *LM_TRAIN])
+    good = (ck / "checkpoint_last.pt").read_bytes()
+    (root / "corrupt.pt").write_bytes(bytes(reversed(good[:4096])) + good[4096:])
+    (root / "truncated.pt").write_bytes(good[: len(good) // 2])
+    torch.save({"model": {}, "payload": RunsCodeOnLoad()}, root / "evil.pt")
+    (root / "empty").mkdir()
+    (root / "no_train").mkdir()
+    shutil.copy(lm_data / "dict.txt", root / "no_train" / "dict.txt")
+    return {
+        "lm_data": str(lm_data), "mt_data": str(mt_data), "mt_split_data": str(split),
+        "other_lm_data": str(other / "bin"), "lm_ckpt": str(ck / "checkpoint_last.pt"),
+        "corrupt_ckpt": str(root / "corrupt.pt"), "truncated_ckpt": str(root / "truncated.pt"),
+        "evil_ckpt": str(root / "evil.pt"), "missing_dir": str(root / "does-not-exist"),
+        "empty_dir": str(root / "empty"), "no_train_dir": str(root / "no_train"), "root": root,
+    }
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input(case, ctx, tmp_path):
+    save = tmp_path / "save"
+    before = _snapshot(ctx["root"])
+    proc = run(case.command({**ctx, "save": str(save)}), check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = last_error_line(proc)
+    assert case.expect in line, line
+    assert case.fix in line, line
+    assert not save.exists() or not any(save.iterdir())
+    assert _snapshot(ctx["root"]) == before
+    assert "this must never run" not in proc.stdout + proc.stderr
+
+
+def test_readme_troubleshooting_is_in_step_with_the_matrix():
+    assert render_troubleshooting() in (REPO / "README.md").read_text()
