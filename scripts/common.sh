@@ -63,7 +63,7 @@ case "$DEVICE" in
   cuda) DEVICE_ARGS=(); [ "$PRECISION" = fp32 ] || DEVICE_ARGS=(--"$PRECISION") ;;
   *) die "DEVICE=$DEVICE: choose cpu or cuda" ;;
 esac
-[ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP")
+[ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP" --ddp-backend legacy_ddp)
 
 # ceil(a / b)
 ts_ceil_div() { echo $((($1 + $2 - 1) / $2)); }

@@ -7,6 +7,7 @@ fairseq and applies the compatibility fixes in :mod:`torchscale_fairseq.compat`.
 
 from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
 from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
+from torchscale_fairseq.compat.batching import patch_batching
 from torchscale_fairseq.compat.checkpoint_reads import patch_checkpoint_reads
 from torchscale_fairseq.compat.checkpoint_writes import patch_checkpoint_writes
 from torchscale_fairseq.compat.nonfinite_skip import patch_nonfinite_skip
@@ -18,6 +19,7 @@ from torchscale_fairseq.compat.expert_checkpoints import patch_trainer_expert_ch
 from torchscale_fairseq.modules.moe.grad_sync import patch_distributed_wrapper
 
 patch_numpy_compat()
+patch_batching()
 patch_checkpoint_writes()
 patch_nonfinite_skip()
 register_safe_globals()

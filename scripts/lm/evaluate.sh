@@ -2,7 +2,7 @@
 # Perplexity of a trained LM on a held-out split with fairseq-eval-lm.
 #   SAVE_DIR=checkpoints/lm_dense_magneto_L12_full bash scripts/lm/evaluate.sh
 # Knobs: SAVE_DIR (required), DATA, SUBSET (test), CHECKPOINT (checkpoint_best), TOKENS_PER_SAMPLE,
-# CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP. Writes SAVE_DIR/eval_SUBSET.txt
+# CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP (with NPROC_PER_NODE=MP for a tensor-parallel model). Writes SAVE_DIR/eval_SUBSET.txt
 # ("perplexity P" and "loss_base2 L") and prints it; the full fairseq output is in eval_SUBSET.log.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ -n "${SAVE_DIR:-}" ] || die "set SAVE_DIR to the training run's directory"
@@ -16,7 +16,7 @@ CKPT="$(ts_checkpoint "$SAVE_DIR" "${CHECKPOINT:-checkpoint_best}")"
 LOG="$SAVE_DIR/eval_$SUBSET.log"
 say "fairseq-eval-lm $CKPT on $DATA/$SUBSET; log: $LOG"
 # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
-"$BIN/fairseq-eval-lm" "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset "$SUBSET" \
+ts_launch fairseq-eval-lm "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset "$SUBSET" \
   --tokens-per-sample "$TOKENS_PER_SAMPLE" --context-window "$CONTEXT_WINDOW" --batch-size "$BATCH_SIZE" \
   --required-batch-size-multiple 1 --num-workers 0 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} > "$LOG" 2>&1 \
   || { tail -n 5 "$LOG" >&2; die "fairseq-eval-lm failed; see $LOG"; }

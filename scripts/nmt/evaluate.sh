@@ -4,7 +4,8 @@
 # (DATA/raw/SUBSET.TGT_LANG written by data_prep.prepare_nmt).
 #   SAVE_DIR=checkpoints/nmt_dense_magneto_L12-12_full bash scripts/nmt/evaluate.sh
 # Knobs: SAVE_DIR (required), DATA, SRC_LANG, TGT_LANG, SUBSET (test), CHECKPOINT (checkpoint_best),
-# BEAM (5), LENPEN (1.0), MAX_TOKENS, SCALE, DEVICE, MP, EXTRA_ARGS.
+# BEAM (5), LENPEN (1.0), MAX_TOKENS, SCALE, DEVICE, MP (with NPROC_PER_NODE=MP for a tensor-parallel
+# model), EXTRA_ARGS.
 # Writes SAVE_DIR/generate_SUBSET.txt (fairseq output), hyp_SUBSET.TGT_LANG (detokenised
 # hypotheses) and bleu_SUBSET.txt ("bleu B", "chrf C", sacrebleu signatures), and prints them.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
@@ -22,7 +23,7 @@ CKPT="$(ts_checkpoint "$SAVE_DIR" "${CHECKPOINT:-checkpoint_best}")"
 GEN="$SAVE_DIR/generate_$SUBSET.txt"
 say "fairseq-generate $CKPT on $DATA/$SUBSET (beam $BEAM); output: $GEN"
 # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
-"$BIN/fairseq-generate" "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --task translation \
+ts_launch fairseq-generate "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --task translation \
   --source-lang "$SRC_LANG" --target-lang "$TGT_LANG" --gen-subset "$SUBSET" --beam "$BEAM" \
   --lenpen "$LENPEN" --max-len-a 1.2 --max-len-b "$MAX_LEN_B" --max-tokens "$MAX_TOKENS" --num-workers 0 \
   --required-batch-size-multiple 1 \

@@ -11,5 +11,5 @@ ts_nmt_setup
 ts_moe_setup
 SAVE_DIR="${SAVE_DIR:-checkpoints/nmt_moe${EXPERTS}_${CLIP}clip_${BACKBONE}_L${ENC_LAYERS}-${DEC_LAYERS}_${SCALE}}"
 ts_train "$SAVE_DIR" "${TRAIN_ARGS[@]}" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${OPT_ARGS[@]}" \
-  --criterion moe_label_smoothed_cross_entropy --label-smoothing "$LABEL_SMOOTHING"
+  --criterion moe_label_smoothed_cross_entropy
 say "done: $SAVE_DIR"

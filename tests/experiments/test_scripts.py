@@ -25,7 +25,7 @@ TRAININGS = {
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, VENV=str(VENV), SCALE="tiny", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
+    return {**os.environ, "VENV": str(VENV), "SCALE": "tiny", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
 
 
 def _start(script: str, **extra: str) -> subprocess.Popen:
@@ -123,4 +123,5 @@ def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
         proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode != 0
-        assert proc.stderr.strip().splitlines()[-1].endswith(message), proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("[") and message in lines[0], proc.stderr

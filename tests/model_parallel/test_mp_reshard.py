@@ -35,7 +35,8 @@ def _parts(size: int, optimizer: str = "adam") -> list[dict]:
             "norm": full["norm"],
         }
         if optimizer == "adam":
-            moments = {i: {"step": 5, "exp_avg": 2 * model[n], "exp_avg_sq": model[n] ** 2} for i, n in enumerate(NAMES)}
+            moments = {i: {"step": 5, "exp_avg": 2 * model[n], "exp_avg_sq": model[n] ** 2}
+                       for i, n in enumerate(NAMES)}
         else:
             moments = {0: {"exp_avg": torch.zeros(sum(t.numel() for t in model.values()))}}
         parts.append({

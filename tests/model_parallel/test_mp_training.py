@@ -5,8 +5,8 @@
   single-process run within 1e-4 relative (dropout 0);
 - DP x TP = 2 x 2 on 4 processes equals the single process accumulating the same two
   batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
-- ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts, and the size-1 checkpoint
-  scores like the size-2 parts (``fairseq-eval-lm``);
+- ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts (weights and Adam moments), and
+  the size-1 checkpoint scores like the size-2 parts (``fairseq-eval-lm``);
 - ``fairseq-generate`` at size 2 equals size 1 on the resharded checkpoint;
 - loading parts at another size (also from inside a distributed run), or asking for
   N > 1 without processes, is a one-line error.
@@ -160,11 +160,18 @@ def test_one_checkpoint_part_per_tensor_parallel_rank(runs):
 def test_reshard_round_trip_gives_identical_parts(evaluations):
     parts, two = evaluations["lm_parts"], evaluations["lm_two"]
     for k in range(2):
-        a = torch.load(parts.with_name(f"checkpoint_last-model_part-{k}.pt"), weights_only=True)["model"]
-        b = torch.load(two.with_name(f"checkpoint-model_part-{k}.pt"), weights_only=True)["model"]
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
+        a = torch.load(parts.with_name(f"checkpoint_last-model_part-{k}.pt"), weights_only=True)
+        b = torch.load(two.with_name(f"checkpoint-model_part-{k}.pt"), weights_only=True)
+        assert a["model"].keys() == b["model"].keys()
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), key
+        moments_a, moments_b = a["last_optimizer_state"]["state"], b["last_optimizer_state"]["state"]
+        assert moments_a.keys() == moments_b.keys()
+        for index, entry in moments_a.items():
+            for name, value in entry.items():
+                same = torch.equal(value, moments_b[index][name]) if torch.is_tensor(value) else (
+                    value == moments_b[index][name])
+                assert same, (index, name)
 
 
 def test_eval_lm_at_size_two_equals_resharded_size_one(evaluations):

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 import torch
 
+import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, json_logs, run, tool
 
 MAX_UPDATE = 12
@@ -16,6 +17,11 @@ COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", "4", "--lo
 RECIPES = {
     "ts_lm": ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--attention-dropout", "0.1"],
     "ts_transformer": ["--arch", "ts_transformer_tiny", *MT_TRAIN, "--max-tokens", "400"],
+    "ts_lm_moe_sparse_clip": [
+        "--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--moe-expert-count", "4", "--moe-freq", "2",
+        "--moe-second-expert-policy", "random", "--moe-gate-noise", "0.0", "--criterion", "moe_cross_entropy",
+        "--optimizer", "sparse_clip", "--sparse-clip-base", "adam", "--clip-norm", "0.5",
+    ],
 }
 
 
@@ -41,7 +47,7 @@ def _losses(text):
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_sigkill_mid_epoch_then_restart_is_exact(recipe, lm_data, mt_data, tmp_path):
-    data = lm_data if recipe == "ts_lm" else mt_data
+    data = mt_data if recipe == "ts_transformer" else lm_data
     reference = run(_command(data, tmp_path / "ref", recipe))
     _kill_after(_command(data, tmp_path / "killed", recipe), update=6)
     resumed = run(_command(data, tmp_path / "killed", recipe))

@@ -1,7 +1,8 @@
 """Checkpoints load with ``torch.load(weights_only=True)`` (the default since PyTorch 2.6).
 
 fairseq stores a few plain Python/NumPy objects besides tensors (``argparse.Namespace``
-in older-style configs, NumPy scalars in meters and ``best_*`` values). They are added
+in older-style configs, NumPy scalars in meters and ``best_*`` values) and, when it sends a
+loaded checkpoint from rank 0 to the other ranks, OmegaConf containers. They are added
 to an explicit allow-list; ``weights_only`` is never disabled, so a checkpoint whose
 pickle names anything else (e.g. ``os.system``) is refused before any code runs.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import typing
 from typing import List
 
 import numpy as np
@@ -17,7 +19,13 @@ import torch
 
 
 def allowed_globals() -> List[object]:
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.base import ContainerMetadata, Metadata
+    from omegaconf.nodes import AnyNode
+
     allowed: List[object] = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, np.dtype]
+    # fairseq broadcasts the loaded state (its config as a DictConfig) from rank 0 through torch.load
+    allowed += [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int]
     core = getattr(np, "_core", None) or np.core
     allowed.append(core.multiarray.scalar)
     for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):
