@@ -83,8 +83,9 @@ def parse_translated(out: str, log: Path) -> tuple:
     m = _TRANSLATED.search(out)
     if not m:
         raise SystemExit(f"no 'Translated ...' line in the fairseq-generate output (see {log})")
-    sentences, tokens = int(m.group(1).replace(",", "")), int(m.group(2).replace(",", ""))
-    return sentences, tokens, float(m.group(3)), float(m.group(4))
+    sentences, tokens, seconds = int(m.group(1).replace(",", "")), int(m.group(2).replace(",", "")), float(m.group(3))
+    # fairseq prints sentences/s with 2 decimals only: recompute it from the count and the time
+    return sentences, tokens, seconds, sentences / seconds
 
 
 def main(argv=None) -> int:

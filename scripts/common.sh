@@ -88,8 +88,8 @@ ts_launch() {
 }
 
 # ts_train SAVE_DIR ARGS...: fairseq-train with JSON logs, shown and appended to SAVE_DIR/train.log.
-# --required-batch-size-multiple 1: fairseq-fixed drops a last batch that is not a multiple of it,
-# which would silently leave sentences out of validation (and empty a tiny dataset).
+# --required-batch-size-multiple 1: batches of any size, so tiny validation sets are never
+# rounded away (torchscale_fairseq/compat/batching.py also keeps fairseq-fixed's trailing batch).
 ts_train() {
   local save="$1"
   shift

@@ -20,8 +20,8 @@ class Case:
     command: Callable[[dict], List[str]]
 
 
-def _lm(ctx, *flags, data="lm_data"):
-    return [tool("fairseq-train"), ctx[data], "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update",
+def _lm(ctx, *flags, data="lm_data", arch="ts_lm_tiny"):
+    return [tool("fairseq-train"), ctx[data], "--user-dir", USER_DIR, "--arch", arch, "--max-update",
             "2", "--save-dir", ctx["save"], *LM_TRAIN, *flags]
 
 
@@ -75,6 +75,20 @@ CASES = [
          "--joined-dictionary", lambda c: _mt(c, "mt_split_data")),
     Case("shared embeddings with different widths", "flags", "--share-all-embeddings needs --encoder-embed-dim",
          "equal to --decoder-embed-dim", lambda c: _mt(c, "mt_data", "--encoder-embed-dim", "64")),
+]
+
+
+CASES += [
+    Case("more experts per token than supported", "flags", "--moe-top-k 3 is not supported", "use 1 or 2",
+         lambda c: _lm(c, "--moe-expert-count", "2", "--moe-top-k", "3")),
+    Case("MoE layer frequency 0", "flags", "--moe-freq 0 must be positive", "positive",
+         lambda c: _lm(c, "--moe-expert-count", "2", "--moe-freq", "0")),
+    Case("MoE criterion on a model without MoE outputs", "flags", "MoE-aware", "ts_",
+         lambda c: _lm(c, "--criterion", "moe_cross_entropy", arch="transformer_lm")),
+    Case("tensor-parallel size larger than the world", "flags", "--model-parallel-size 2", "--distributed-world-size",
+         lambda c: _lm(c, "--model-parallel-size", "2")),
+    Case("consolidating shards of different runs", "checkpoint", "one of", "shards",
+         lambda c: [tool("ts-consolidate-experts"), c["lm_ckpt"], c["lm_ckpt"], "-o", f"{c['save']}/merged.pt"]),
 ]
 
 
