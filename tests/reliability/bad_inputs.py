@@ -89,6 +89,12 @@ CASES += [
          lambda c: _lm(c, "--model-parallel-size", "2")),
     Case("consolidating shards of different runs", "checkpoint", "one of", "shards",
          lambda c: [tool("ts-consolidate-experts"), c["lm_ckpt"], c["lm_ckpt"], "-o", f"{c['save']}/merged.pt"]),
+    Case("resharding a checkpoint that does not exist", "checkpoint", "no checkpoint", "check --input",
+         lambda c: [tool("ts-reshard"), "--input", f"{c['missing_dir']}/checkpoint_last.pt", "--size", "2",
+                    "--output", f"{c['save']}/resharded.pt"]),
+    Case("resharding to a size the heads do not divide", "checkpoint", "not divisible by", "--model-parallel-size",
+         lambda c: [tool("ts-reshard"), "--input", c["lm_ckpt"], "--size", "3", "--output",
+                    f"{c['save']}/resharded.pt"]),
 ]
 
 
