@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from fairseq.data import data_utils
 
 import torchscale_fairseq  # noqa: F401  (installs the fixed batch_by_size)
-from fairseq.data import data_utils
 
 
 @pytest.mark.parametrize("n,max_sentences,mult", [(5, 16, 8), (5, 1, 8), (80, 1, 8), (21, 3, 8), (7, 2, 2)])

@@ -8,12 +8,11 @@ checksum of the parameters and the fp16 loss scale before and after the call.
 import json
 import sys
 
-import torch
-
-import torchscale_fairseq  # noqa: F401  (applies the plugin's fixes before fairseq runs)
 from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq.trainer import Trainer
 from fairseq_cli.train import cli_main
+
+import torchscale_fairseq  # noqa: F401  (applies the plugin's fixes before fairseq runs)
 
 INJECT_AT = int(sys.argv.pop(1))
 _calls = {"n": 0}

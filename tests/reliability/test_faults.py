@@ -72,8 +72,9 @@ def test_full_disk_at_first_save_is_one_clear_line(lm_data, tmp_path):
 
 def test_interrupted_copy_keeps_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     """A kill while checkpoint_last.pt is being refreshed leaves the old one intact."""
-    import torchscale_fairseq  # noqa: F401
     from fairseq.file_io import PathManager
+
+    import torchscale_fairseq  # noqa: F401
 
     last = tmp_path / "checkpoint_last.pt"
     torch.save({"model": {"w": torch.zeros(3)}}, last)

@@ -42,9 +42,9 @@ class StackConfig:
             "learned" if getattr(args, f"{side}_learned_pos", False) else "sinusoidal"
         )
         if side == "encoder":
-            max_positions = getattr(args, "max_source_positions", None) or getattr(args, "max_positions")
+            max_positions = getattr(args, "max_source_positions", None) or args.max_positions
         else:
-            max_positions = getattr(args, "max_target_positions")
+            max_positions = args.max_target_positions
         activation = getattr(args, "activation_fn", "gelu")
         check_activation(activation)
         backbone = build_backbone(

@@ -13,12 +13,12 @@ from torch.utils.checkpoint import checkpoint
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer
-from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
 from torchscale_fairseq.model_parallel.partition import mark_vocab_padded
 from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
 from torchscale_fairseq.model_parallel.random import checkpoint_context
+from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
 _STEP_KEY = "ts_decoder_step"

@@ -21,10 +21,10 @@ The encoder beta uses the DeepNet paper's 0.87 (public TorchScale code: 1.15).
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
 import math
 from dataclasses import dataclass
+
+from torchscale_fairseq.errors import TsConfigError
 
 BACKBONES = ("magneto", "deepnorm", "preln", "postln")
 PARTS = ("encoder_only", "decoder_only", "encdec_encoder", "encdec_decoder")

@@ -5,12 +5,11 @@ fused gate/up ``fc1`` (stride 2): ``silu(x W_g) * (x W_u)``."""
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.multihead_attention import scaled_xavier_blocks
@@ -21,6 +20,14 @@ ACTIVATIONS = ("gelu", "relu", "swiglu")
 def check_activation(name: str) -> None:
     if name not in ACTIVATIONS:
         raise TsConfigError(f"--activation-fn {name!r} is not supported by ts models: choose one of {', '.join(ACTIVATIONS)}")
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``gelu``/``relu`` elementwise; ``swiglu`` on the fused ``[gate, up]`` halves."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h) if activation == "gelu" else F.relu(h)
 
 
 class FeedForwardNetwork(nn.Module):
@@ -49,13 +56,7 @@ class FeedForwardNetwork(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
+        h = activate(h, self.activation)
         if self.activation_dropout > 0 and self.training:
             with get_rng_tracker().fork():
                 h = F.dropout(h, self.activation_dropout, training=True)

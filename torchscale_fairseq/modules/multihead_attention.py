@@ -9,8 +9,6 @@ Keys/values are cached per module in ``incremental_state`` for decoding.
 
 from __future__ import annotations
 
-from torchscale_fairseq.errors import TsConfigError
-
 import uuid
 from typing import Dict, Optional
 
@@ -18,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.layers import (
     ColumnParallelLinear,
     ParallelLayerNorm,

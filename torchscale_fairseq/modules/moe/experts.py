@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchscale_fairseq.modules.feedforward import check_activation
+from torchscale_fairseq.modules.feedforward import activate, check_activation
 
 
 def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
@@ -65,13 +65,7 @@ class BatchedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (E_l, C, d)."""
         h = torch.baddbmm(self.fc1_bias.unsqueeze(1).to(x.dtype), x, self.fc1_weight.to(x.dtype))
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
+        h = activate(h, self.activation)
         if self.activation_dropout > 0 and self.training:
             h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
