@@ -203,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         runs = [parse_log(Path(log), label) for log, label in zip(args.logs, labels)]
     except LogError as err:
         raise SystemExit(f"error: {err}") from err
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:
