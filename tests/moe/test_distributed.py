@@ -76,8 +76,11 @@ def test_lm_train_consolidate_validate_eval(tmp_path, moe_lm_data):
                "--num-workers", "0"])
     line = [ln for ln in out.stderr.splitlines() + out.stdout.splitlines() if "valid on 'valid'" in ln][-1]
     fields = dict(part.strip().split(" ", 1) for part in line.split("|")[3:])
-    for key in ("loss", "moe_gate_loss", "moe_cv_dec1", "moe_entropy"):
-        assert float(fields[key]) == pytest.approx(float(valid[f"valid_{key}"]), abs=2e-3), key
+    assert float(fields["loss"]) == pytest.approx(float(valid["valid_loss"]), abs=2e-3)
+    # routing statistics are per-batch averages: two ranks see the batches one process sees,
+    # split between them (the last one partial), so they agree to a few percent, not exactly
+    for key in ("moe_gate_loss", "moe_cv_dec1", "moe_entropy"):
+        assert float(fields[key]) == pytest.approx(float(valid[f"valid_{key}"]), rel=0.05), key
     ev = run([tool("fairseq-eval-lm"), moe_lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "lm.pt",
               "--tokens-per-sample", "32", "--batch-size", "16", "--cpu", "--num-workers", "0"])
     assert "Perplexity" in ev.stdout + ev.stderr
