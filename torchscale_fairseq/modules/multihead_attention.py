@@ -139,6 +139,8 @@ class MultiheadAttention(nn.Module):
     ) -> Optional[torch.Tensor]:
         """A boolean (True = attend) or additive float mask; None when plain or
         ``is_causal`` attention suffices."""
+        if key_padding_mask is None and bias is None and t == s:
+            return None  # plain causal (or full) attention: SDPA's is_causal path
         allowed = None
         if causal and t > 1:
             allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
