@@ -38,7 +38,7 @@ def index_path(data: str, split: str) -> Path:
 
 def _check_shard(path: Path, index: Path) -> None:
     """A readable file with some non-blank text."""
-    if not path.is_file():
+    if not path.exists():
         raise TsConfigError(f"shard {path} listed in {index} does not exist")
     try:
         with open(path, "rb") as f:
