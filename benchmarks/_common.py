@@ -194,3 +194,16 @@ class Stopwatch:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def report_ratios(results: dict, unit: str, fmt: str, target: float) -> float:
+    """Print per-round ours/stock ratios, their median and the verdict; return the median."""
+    from statistics import median
+
+    ratios = [o / s for o, s in zip(results["ours"], results["stock"])]
+    ratio = median(ratios)
+    print(f"median {unit} ours: {median(results['ours']):{fmt}}  stock: {median(results['stock']):{fmt}}")
+    print(f"ratios per round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    verdict = "PASS" if ratio >= target else "FAIL"
+    print(f"RESULT ratio ours/stock (median of rounds): {ratio:.3f}  target >= {target}: {verdict}")
+    return ratio

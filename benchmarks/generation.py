@@ -24,9 +24,9 @@ from pathlib import Path
 from _common import (
     USER_DIR,
     load_average,
-    median,
     now,
     preprocess_translation,
+    report_ratios,
     run,
     run_together,
     tool,
@@ -137,12 +137,7 @@ def main(argv=None) -> int:
                 print(f"round {r + 1} {name:5s}: {sentences} sentences ({tokens} tokens) in {seconds:.1f}s = "
                       f"{sps:.2f} sentences/s  (load avg before round: {load})", flush=True)
             print(f"round {r + 1} ratio ours/stock: {results['ours'][-1] / results['stock'][-1]:.3f}", flush=True)
-        ratios = [o / s for o, s in zip(results["ours"], results["stock"])]
-        ratio = median(ratios)
-        print(f"median sentences/s ours: {median(results['ours']):.2f}  stock: {median(results['stock']):.2f}")
-        print(f"ratios per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-        verdict = "PASS" if ratio >= TARGET else "FAIL"
-        print(f"RESULT ratio ours/stock (median of rounds): {ratio:.3f}  target >= {TARGET}: {verdict}")
+        report_ratios(results, "sentences/s", ".2f", TARGET)
         print(f"finished: {now()}  (logs: {work if args.workdir else 'temp dir, removed'})")
     return 0
 

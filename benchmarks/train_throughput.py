@@ -24,9 +24,9 @@ from _common import (
     USER_DIR,
     dict_size,
     load_average,
-    median,
     now,
     preprocess_lm,
+    report_ratios,
     run_together,
     tool,
     train_inner_logs,
@@ -120,12 +120,7 @@ def main(argv=None) -> int:
                 results[name].append(wps[name])
                 print(f"round {r + 1} {name:5s}: {wps[name]:8.1f} wps  (load avg before round: {load})", flush=True)
             print(f"round {r + 1} ratio ours/stock: {results['ours'][-1] / results['stock'][-1]:.3f}", flush=True)
-        ratios = [o / s for o, s in zip(results["ours"], results["stock"])]
-        ratio = median(ratios)
-        print(f"median wps ours: {median(results['ours']):.1f}  stock: {median(results['stock']):.1f}")
-        print(f"ratios per round: {', '.join(f'{x:.3f}' for x in ratios)}")
-        verdict = "PASS" if ratio >= TARGET else "FAIL"
-        print(f"RESULT ratio ours/stock (median of rounds): {ratio:.3f}  target >= {TARGET}: {verdict}")
+        report_ratios(results, "wps", ".1f", TARGET)
         print(f"finished: {now()}  (logs: {work if args.workdir else 'temp dir, removed'})")
     return 0
 
