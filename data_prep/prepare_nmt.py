@@ -44,6 +44,7 @@ import sentencepiece as spm
 from data_prep import sword
 from data_prep.prepare_lm import _install as install_into
 from data_prep.prepare_lm import check_out_dir, find_fairseq_preprocess
+from data_prep.train_spm import train_sentencepiece
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_OUT_DIR = "data-bin/kjv_sparv_spm"
@@ -164,19 +165,11 @@ def load_corpus(args: argparse.Namespace) -> dict[str, Split]:
     return split_contiguous(corpus, args.valid_size, args.test_size)
 
 
-def train_sentencepiece(train: Split, prefix: Path, args: argparse.Namespace) -> spm.SentencePieceProcessor:
+def train_joint_sentencepiece(train: Split, prefix: Path, args: argparse.Namespace) -> spm.SentencePieceProcessor:
     """A joint SentencePiece model trained on the source and target train text."""
     text = prefix.with_suffix(".train.txt")
     text.write_text("".join(line + "\n" for line in train.src + train.tgt), encoding="utf-8")
-    try:
-        spm.SentencePieceTrainer.train(
-            input=str(text), model_prefix=str(prefix), vocab_size=args.vocab_size, model_type=args.model_type,
-            character_coverage=args.character_coverage, hard_vocab_limit=False, num_threads=args.workers,
-            input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2,
-        )  # fmt: skip
-    except (RuntimeError, OSError) as err:
-        raise SystemExit(f"error: SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from err
-    return spm.SentencePieceProcessor(model_file=str(prefix.with_suffix(".model")))
+    return train_sentencepiece(text, prefix, args.vocab_size, args.model_type, args.character_coverage, args.workers)
 
 
 def encode_file(sp: spm.SentencePieceProcessor, lines: list[str], path: Path) -> int:
@@ -200,7 +193,7 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     try:
         raw = tmp / "raw"
         raw.mkdir()
-        sp = train_sentencepiece(corpus["train"], work / "spm", args)
+        sp = train_joint_sentencepiece(corpus["train"], work / "spm", args)
         for ext in ("model", "vocab"):
             shutil.copy(work / f"spm.{ext}", tmp / f"spm.{ext}")
         stats: dict[str, dict[str, int]] = {}

@@ -13,4 +13,4 @@ from torchscale_fairseq import models  # noqa: E402,F401  (ts_lm, ts_transformer
 from torchscale_fairseq.criterions import moe_criterions  # noqa: E402,F401  (moe_* criterions)
 from torchscale_fairseq.encoders import tiktoken_gpt2  # noqa: E402,F401  (--bpe tiktoken_gpt2)
 from torchscale_fairseq.optim import sparse_clip  # noqa: E402,F401  (--optimizer sparse_clip)
-from torchscale_fairseq.tasks import streaming_lm  # noqa: E402,F401  (--task streaming_lm)
+from torchscale_fairseq.tasks import streaming_lm, streaming_mlm  # noqa: E402,F401  (--task streaming_lm, streaming_mlm)

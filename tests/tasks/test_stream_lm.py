@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.tasks.conftest import batches
 from tests.tasks.stream_data import make_docs, make_stream_data, write_index, write_shard
 from torchscale_fairseq.data import gpt2_bpe
-from torchscale_fairseq.data.lm_stream import CorpusStream, Cursor, document_ids, shard_order
+from torchscale_fairseq.data.document_encoders import GPT2Documents
+from torchscale_fairseq.data.lm_stream import CorpusStream, Cursor, shard_order
 from torchscale_fairseq.data.stream_index import load_index
 from torchscale_fairseq.data.text_shards import ShardReader
 from torchscale_fairseq.model_parallel import process_groups
 
 EOS, OFFSET, T = 2, 4, 16
-
-
-def batches(task, n: int, num_workers: int = 0, state: dict | None = None, epoch_len: int = 3) -> tuple[list, dict]:
-    """``n`` training batches (continuing from ``state``) and the iterator state after them."""
-    task.args.batches_per_epoch = epoch_len
-    task.load_dataset("train")
-    itr = task.get_batch_iterator(task.dataset("train"), max_sentences=4, num_workers=num_workers)
-    if state is not None:
-        itr.load_state_dict(state)
-    out = []
-    while len(out) < n:
-        epoch = itr.next_epoch_itr()
-        for sample in itertools.islice(epoch, n - len(out)):
-            out.append(sample)
-    result = itr.state_dict()
-    itr.close()
-    return out, result
+document_ids = GPT2Documents(EOS, OFFSET)
 
 
 def stream_of(docs: list[list[str]]) -> list[int]:
-    return [t for doc in docs for t in document_ids(doc, EOS, OFFSET)]
+    return [t for doc in docs for t in document_ids(doc)]
 
 
 def test_blocks_pack_documents_without_padding(tmp_path: Path, task_factory) -> None:
@@ -58,7 +43,7 @@ def test_blocks_pack_documents_without_padding(tmp_path: Path, task_factory) -> 
 
 def test_documents_match_gpt2_ids() -> None:
     line = "Hello world, café naïve"
-    ids = document_ids([line, "second"], EOS, OFFSET)
+    ids = document_ids([line, "second"])
     enc = gpt2_bpe.get_gpt2_encoding()
     first, second = ([i + 4 for i in enc.encode_ordinary(text)] for text in (line, "second"))
     assert ids == first + [EOS] + second + [EOS, EOS]
@@ -70,7 +55,7 @@ def test_readers_disjoint_and_complete(tmp_path: Path) -> None:
     every = {(shard, doc.offset) for shard in corpus.shards for doc in ShardReader(shard)}
     n_readers, seen = 4, []  # data-parallel size 2 x 2 loader workers
     for reader in range(n_readers):
-        stream = CorpusStream(corpus, 0, 1, reader, n_readers, Cursor(), EOS, OFFSET)
+        stream = CorpusStream(corpus, 0, 1, reader, n_readers, Cursor(), document_ids, EOS)
         order = None
         mine = set()
         for epoch_pass, shard, offset, _, _ in stream.documents():

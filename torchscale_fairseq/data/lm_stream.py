@@ -1,12 +1,13 @@
-"""The ``streaming_lm`` training stream: raw-text shards -> GPT-2 ids -> packed blocks -> batches.
+"""The streaming tasks' training stream: raw-text shards -> ids -> packed blocks -> batches.
 
 Each corpus is an endless sequence of documents (passes over its shards, shard order
-reshuffled every pass). A document's ids are ``ids(line) + </s>`` for each line, then one
-more ``</s>`` (end of document): exactly the ``data_prep`` LM stream, where a blank line is
-a lone ``</s>``. Reader ``g`` of ``G`` (``G`` = data-parallel size x loader workers) takes
-the documents whose running number is ``g`` mod ``G``, so readers are disjoint and together
-complete. Every block is ``tokens_per_sample`` target tokens, no padding; its source is the
-same tokens shifted right by one (as fairseq's ``TokenBlockDataset``). The corpus of each
+reshuffled every pass), turned into ids by a document encoder
+(:mod:`torchscale_fairseq.data.document_encoders`: ``ids(line) + </s>`` per line, then
+``</s>``, as the ``data_prep`` LM stream where a blank line is a lone ``</s>``). Reader
+``g`` of ``G`` (``G`` = data-parallel size x loader workers) takes the documents whose
+running number is ``g`` mod ``G``, so readers are disjoint and together complete. Every
+block is ``tokens_per_sample`` target tokens, no padding; its source is the same tokens
+shifted right by one (as fairseq's ``TokenBlockDataset``). The corpus of each
 block is drawn by weight from a seed fixed by (seed, reader, block number).
 
 All positions are plain dicts (:class:`Cursor` fields), so the exact stream position can be
@@ -19,27 +20,29 @@ import bisect
 import copy
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from torchscale_fairseq.data import gpt2_bpe
 from torchscale_fairseq.data.stream_index import Corpus
 from torchscale_fairseq.data.text_shards import ShardReader
 
 logger = logging.getLogger(__name__)
 
+DocumentEncoder = Callable[[Sequence[str]], list[int]]
 
-def document_ids(lines: Sequence[str], eos: int, offset: int) -> list[int]:
-    """Fairseq ids of one document: each line's GPT-2 ids + ``offset`` and ``eos``, then ``eos``."""
-    encoding = gpt2_bpe.get_gpt2_encoding()
-    ids: list[int] = []
-    for line in lines:
-        ids.extend(i + offset for i in encoding.encode_ordinary(line))
-        ids.append(eos)
-    ids.append(eos)
-    return ids
+
+def held_out_documents(corpora: Sequence[Corpus], encode: DocumentEncoder) -> list[list[int]]:
+    """The ids of every document of ``corpora`` once, in index order (for validation)."""
+    docs = []
+    for corpus in corpora:
+        for shard in corpus.shards:
+            reader = ShardReader(shard)
+            docs.extend(encode(doc.lines) for doc in reader)
+            if reader.bad_bytes:
+                logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, shard)
+    return docs
 
 
 @dataclass
@@ -65,10 +68,10 @@ class CorpusStream:
     """Documents of one corpus for one reader, packed into blocks of ``length + 1`` tokens."""
 
     def __init__(self, corpus: Corpus, index: int, seed: int, reader: int, n_readers: int,
-                 cursor: Cursor, eos: int, offset: int) -> None:
+                 cursor: Cursor, encode: DocumentEncoder, eos: int) -> None:
         self.corpus, self.index, self.seed = corpus, index, seed
         self.reader, self.n_readers = reader, n_readers
-        self.eos, self.id_offset = eos, offset
+        self.encode = encode
         self.cursor = copy.copy(cursor)
         if self.cursor.prev < 0:
             self.cursor.prev = eos
@@ -86,7 +89,7 @@ class CorpusStream:
                 reader = ShardReader(path, offset)
                 for raw in reader:
                     if doc % self.n_readers == self.reader:
-                        yield epoch_pass, shard, raw.offset, doc, document_ids(raw.lines, self.eos, self.id_offset)
+                        yield epoch_pass, shard, raw.offset, doc, self.encode(raw.lines)
                     doc += 1
                 if reader.bad_bytes:
                     logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, path)
@@ -121,14 +124,17 @@ class LMBlockStream(torch.utils.data.IterableDataset):
     Local reader ``r`` (``0 <= r < n_local``) is global reader ``dp_rank * n_local + r``.
     Loader worker ``w`` of ``n_local`` workers runs local reader ``(first + w) % n_local``,
     starting from ``states[r]``; every batch carries ``stream_state = (r, state after it)``.
+    Each block takes ``block_tokens`` new tokens from the stream (:meth:`collate` makes the
+    sample; subclasses change both for other objectives).
     """
 
-    def __init__(self, corpora: Sequence[Corpus], tokens_per_sample: int, batch_size: int, eos: int,
-                 id_offset: int, seed: int, dp_rank: int, dp_size: int, n_local: int) -> None:
+    def __init__(self, corpora: Sequence[Corpus], tokens_per_sample: int, batch_size: int, encode: DocumentEncoder,
+                 eos: int, seed: int, dp_rank: int, dp_size: int, n_local: int) -> None:
         super().__init__()
         self.corpora = list(corpora)
         self.tokens_per_sample, self.batch_size = tokens_per_sample, batch_size
-        self.eos, self.id_offset, self.seed = eos, id_offset, seed
+        self.block_tokens = tokens_per_sample
+        self.encode, self.eos, self.seed = encode, eos, seed
         self.dp_rank, self.dp_size, self.n_local = dp_rank, dp_size, n_local
         self.states = [initial_reader_state(len(self.corpora)) for _ in range(n_local)]
         self.first = 0
@@ -146,20 +152,22 @@ class LMBlockStream(torch.utils.data.IterableDataset):
         g, n_readers = self.dp_rank * self.n_local + local, self.dp_size * self.n_local
         state = copy.deepcopy(self.states[local])
         streams = [
-            CorpusStream(c, i, self.seed, g, n_readers, Cursor(**state["cursors"][i]), self.eos, self.id_offset)
+            CorpusStream(c, i, self.seed, g, n_readers, Cursor(**state["cursors"][i]), self.encode, self.eos)
             for i, c in enumerate(self.corpora)
         ]
         blocks = state["blocks"]
         while True:
             rows = []
             for _ in range(self.batch_size):
-                rows.append(streams[self._pick_corpus(g, blocks)].next_block(self.tokens_per_sample))
+                rows.append(streams[self._pick_corpus(g, blocks)].next_block(self.block_tokens))
                 blocks += 1
             after = {"blocks": blocks, "cursors": [asdict(s.cursor) for s in streams]}
             yield self.collate(rows, blocks - len(rows), g, (local, after))
 
     def collate(self, rows: list[list[int]], first_block: int, reader: int, state: tuple[int, dict]) -> dict:
-        """A fairseq LM sample (source = block shifted right by one) plus its ``stream_state``."""
+        """A fairseq LM sample (source = block shifted right by one) plus its ``stream_state``.
+
+        ``rows`` hold ``block_tokens + 1`` ids: the token before the block, then the block."""
         tokens = torch.tensor(rows, dtype=torch.long)
         bsz, length = len(rows), self.tokens_per_sample
         ids = torch.arange(first_block, first_block + bsz) * (self.dp_size * self.n_local) + reader
@@ -176,5 +184,5 @@ class LMBlockStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if n_workers != self.n_local:
-            raise RuntimeError(f"LMBlockStream built for {self.n_local} reader(s) runs in {n_workers} worker(s)")
+            raise RuntimeError(f"{type(self).__name__} built for {self.n_local} reader(s) runs in {n_workers} worker(s)")
         return self.reader_batches((self.first + worker) % self.n_local)
