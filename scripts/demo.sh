@@ -11,6 +11,8 @@
 #      held-out test set (scripts/nmt/evaluate.sh),
 #   6. plot validation perplexity, routing entropy and clipped updates (ts-plot-logs) into $PLOT_DIR
 #      and print a summary table. NMT=0 skips steps 5-6's translation part.
+# Defaults are sized for about 15 minutes on 2 CPU cores: 150 LM updates of 8 x 128 tokens, 300
+# NMT updates of 2048 tokens, beam 4 with --no-repeat-ngram-size 3 (docs/results.md: timing, numbers).
 # Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
 set -euo pipefail
 trap 'echo "[demo] error: the step at scripts/demo.sh line $LINENO failed; see the output above" >&2' ERR
@@ -25,10 +27,11 @@ SAVE_DIR="${SAVE_DIR:-checkpoints/demo_lm}"
 ARCH="${ARCH:-ts_lm_tiny}"
 BACKBONE="${BACKBONE:-magneto}"
 TOKENS_PER_SAMPLE="${TOKENS_PER_SAMPLE:-128}"
-BATCH_SIZE="${BATCH_SIZE:-16}"
-LR="${LR:-1e-3}"
-WARMUP_UPDATES="${WARMUP_UPDATES:-100}"
-MAX_UPDATE="${MAX_UPDATE:-300}"
+BATCH_SIZE="${BATCH_SIZE:-8}"
+LR="${LR:-2e-3}"
+WARMUP_UPDATES="${WARMUP_UPDATES:-40}"
+MAX_UPDATE="${MAX_UPDATE:-150}"
+VALIDATE_INTERVAL="${VALIDATE_INTERVAL:-75}"   # validation (and checkpoint_best) every N updates
 LOG_INTERVAL="${LOG_INTERVAL:-20}"
 SEED="${SEED:-1}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"   # appended to fairseq-train, word-split
@@ -41,8 +44,11 @@ NMT_DATA="${NMT_DATA:-data-bin/kjv_sparv_spm}"
 NMT_VOCAB="${NMT_VOCAB:-4000}"
 NMT_SAVE_DIR="${NMT_SAVE_DIR:-checkpoints/demo_nmt_moe}"
 NMT_EXPERTS="${NMT_EXPERTS:-4}"
-NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-200}"
-NMT_BEAM="${NMT_BEAM:-2}"
+NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-300}"
+NMT_LR="${NMT_LR:-3e-3}"
+NMT_WARMUP="${NMT_WARMUP:-60}"
+NMT_BEAM="${NMT_BEAM:-4}"
+NMT_NO_REPEAT_NGRAM="${NMT_NO_REPEAT_NGRAM:-3}"  # fairseq-generate --no-repeat-ngram-size (0: off)
 PLOT_DIR="${PLOT_DIR:-checkpoints/demo_plots}"
 
 PY="$VENV/bin/python"
@@ -85,7 +91,7 @@ else
     --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" \
     --batch-size "$BATCH_SIZE" --max-update "$MAX_UPDATE" --seed "$SEED" --cpu \
     --save-dir "$SAVE_DIR" --log-format json --log-interval "$LOG_INTERVAL" \
-    --no-epoch-checkpoints $EXTRA_TRAIN_ARGS 2>&1 | tee -a "$SAVE_DIR/train.log"
+    --validate-interval-updates "$VALIDATE_INTERVAL" --no-epoch-checkpoints $EXTRA_TRAIN_ARGS 2>&1 | tee -a "$SAVE_DIR/train.log"
 fi
 [ -f "$SAVE_DIR/checkpoint_best.pt" ] || { echo "[demo] error: training wrote no $SAVE_DIR/checkpoint_best.pt; see $SAVE_DIR/train.log" >&2; exit 1; }
 
@@ -116,11 +122,12 @@ if [ "$NMT" = 1 ]; then
   say "training a small X-MoE translation model ($NMT_EXPERTS experts, SparseClip) up to $NMT_MAX_UPDATE updates"
   SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" EXPERTS="$NMT_EXPERTS" CLIP=sparse \
     MAX_UPDATE="$NMT_MAX_UPDATE" EMBED_DIM="${NMT_EMBED_DIM:-128}" FFN_DIM="${NMT_FFN_DIM:-256}" HEADS=4 \
-    MAX_TOKENS="${NMT_MAX_TOKENS:-2048}" TOTAL_TOKENS="${NMT_MAX_TOKENS:-2048}" LR="${NMT_LR:-2e-3}" \
-    WARMUP="${NMT_WARMUP:-50}" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates 50" \
+    MAX_TOKENS="${NMT_MAX_TOKENS:-2048}" TOTAL_TOKENS="${NMT_MAX_TOKENS:-2048}" LR="$NMT_LR" \
+    WARMUP="$NMT_WARMUP" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates 100" \
     bash "$ROOT/scripts/nmt/train_moe.sh"
   say "BLEU and chrF on the held-out test set"
   SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" BEAM="$NMT_BEAM" VENV="$VENV" \
+    EXTRA_ARGS="--no-repeat-ngram-size $NMT_NO_REPEAT_NGRAM" \
     bash "$ROOT/scripts/nmt/evaluate.sh"
   BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
   CHRF="$(sed -n 's/^chrf \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
@@ -142,3 +149,4 @@ if [ "$NMT" = 1 ]; then
   echo "nmt test:    BLEU $BLEU, chrF $CHRF ($NMT_SAVE_DIR/bleu_test.txt)"
 fi
 echo "plots:       $PLOT_DIR/*.png"
+echo "wall time:   $((SECONDS / 60)) min $((SECONDS % 60)) s (setup, data, training, evaluation)"

@@ -39,9 +39,12 @@ class GradNorm:
 
 
 def _sq(grads) -> torch.Tensor:
+    """Sum of squared entries of ``grads`` in fp32: one ``_foreach_norm`` pass, no
+    squared or fp32 copies of the gradients."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
