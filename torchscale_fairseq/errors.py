@@ -38,6 +38,16 @@ def _fairseq_input_error(exc: Optional[BaseException]) -> Optional[str]:
     return None
 
 
+def one_line(error: BaseException | str) -> str:
+    """The message of ``error``; for one re-raised from a DataLoader worker (``Caught ... in
+    DataLoader worker``, then the worker's traceback) the original message."""
+    text = str(error)
+    if "Original Traceback" in text:
+        last = text.strip().splitlines()[-1]
+        return last.split(": ", 1)[1] if "Error: " in last else last
+    return text
+
+
 def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
     error = config_error_in_chain(exc) or _fairseq_input_error(exc)
     if error is None:
@@ -46,7 +56,7 @@ def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
     # the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a
     # buffer it prints only after the previous hook returns, and this one never does
     stream = sys.__stderr__ or sys.stderr
-    stream.write(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {error}\n")
+    stream.write(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {one_line(error)}\n")
     stream.flush()
     os._exit(2)
 

@@ -83,3 +83,15 @@ def test_cli_one_line_error_before_training(tmp_path: Path) -> None:
     assert last_error_line(proc).startswith("fairseq-train: error: shard ")
     assert "00001.txt listed in" in last_error_line(proc) and "Traceback" not in proc.stderr
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_cli_fewer_documents_than_readers_is_one_line(tmp_path: Path) -> None:
+    make_stream_data(tmp_path, {"c": (1, 2, 1.0)})
+    proc = run([tool("fairseq-train"), tmp_path, "--user-dir", USER_DIR, "--task", "streaming_lm", "--arch",
+                "ts_lm_tiny", "--batch-size", "2", "--tokens-per-sample", "16", "--cpu", "--max-update", "1",
+                "--num-workers", "3", "--optimizer", "adam", "--save-dir", tmp_path / "ck"], check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert last_error_line(proc) == (
+        "fairseq-train: error: corpus 'c' has 2 document(s), fewer than the 3 readers (data-parallel size x "
+        "--num-workers): add text or use fewer --num-workers"
+    )

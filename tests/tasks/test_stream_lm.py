@@ -49,23 +49,34 @@ def test_documents_match_gpt2_ids() -> None:
     assert ids == first + [EOS] + second + [EOS, EOS]
 
 
-def test_readers_disjoint_and_complete(tmp_path: Path) -> None:
-    make_stream_data(tmp_path, {"c": (3, 7, 1.0)})
+@pytest.mark.parametrize("n_shards,n_docs,n_readers", [(3, 7, 4), (5, 3, 2)], ids=["by-document", "by-shard"])
+def test_readers_disjoint_and_complete(tmp_path: Path, n_shards: int, n_docs: int, n_readers: int) -> None:
+    make_stream_data(tmp_path, {"c": (n_shards, n_docs, 1.0)})
     corpus = load_index(str(tmp_path), "train")[0]
     every = {(shard, doc.offset) for shard in corpus.shards for doc in ShardReader(shard)}
-    n_readers, seen = 4, []  # data-parallel size 2 x 2 loader workers
+    order = shard_order(len(corpus.shards), 1, 0, 0)
+    seen = []  # readers = data-parallel size x loader workers
     for reader in range(n_readers):
         stream = CorpusStream(corpus, 0, 1, reader, n_readers, Cursor(), document_ids, EOS)
-        order = None
         mine = set()
         for epoch_pass, shard, offset, _, _ in stream.documents():
             if epoch_pass > 0:
                 break
-            order = order or shard_order(len(corpus.shards), 1, 0, 0)
             mine.add((corpus.shards[order[shard]], offset))
         seen.append(mine)
-    assert all(seen) and sum(len(s) for s in seen) == len(every) == 21
+    assert all(seen) and sum(len(s) for s in seen) == len(every) == n_shards * n_docs
     assert set().union(*seen) == every
+    shards_read = [{path for path, _ in mine} for mine in seen]
+    if n_shards >= n_readers:  # no reader opens another reader's shard
+        assert sum(len(s) for s in shards_read) == n_shards
+
+
+def test_more_readers_than_documents_is_an_error(tmp_path: Path) -> None:
+    make_stream_data(tmp_path, {"c": (1, 2, 1.0)})
+    corpus = load_index(str(tmp_path), "train")[0]
+    stream = CorpusStream(corpus, 0, 1, 3, 4, Cursor(), document_ids, EOS)
+    with pytest.raises(ValueError, match="has 2 document.* fewer than the 4 readers"):
+        stream.next_block(T)
 
 
 def test_tensor_parallel_ranks_identical_data_parallel_ranks_differ(tmp_path: Path, task_factory, monkeypatch) -> None:

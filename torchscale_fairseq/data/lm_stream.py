@@ -4,10 +4,13 @@ Each corpus is an endless sequence of documents (passes over its shards, shard o
 reshuffled every pass), turned into ids by a document encoder
 (:mod:`torchscale_fairseq.data.document_encoders`: ``ids(line) + </s>`` per line, then
 ``</s>``, as the ``data_prep`` LM stream where a blank line is a lone ``</s>``). Reader
-``g`` of ``G`` (``G`` = data-parallel size x loader workers) takes the documents whose
-running number is ``g`` mod ``G``, so readers are disjoint and together complete. Every
-block is ``tokens_per_sample`` target tokens, no padding; its source is the same tokens
-shifted right by one (as fairseq's ``TokenBlockDataset``). The corpus of each
+``g`` of ``G`` (``G`` = data-parallel size x loader workers) reads, of each pass, the
+shards at positions ``g`` mod ``G`` of the pass order when the corpus has at least ``G``
+shards (as TorchScale's infinibatch loader: no reader opens another's shards), otherwise
+every shard but only the documents whose running number in the pass is ``g`` mod ``G``;
+either way the readers are disjoint and together complete. Every block is
+``tokens_per_sample`` target tokens, no padding; its source is the same tokens shifted
+right by one (as fairseq's ``TokenBlockDataset``). The corpus of each
 block is drawn by weight from a seed fixed by (seed, reader, block number).
 
 All positions are plain dicts (:class:`Cursor` fields), so the exact stream position can be
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -27,10 +31,30 @@ import torch
 
 from torchscale_fairseq.data.stream_index import Corpus
 from torchscale_fairseq.data.text_shards import ShardReader
+from torchscale_fairseq.errors import TsConfigError
 
 logger = logging.getLogger(__name__)
 
 DocumentEncoder = Callable[[Sequence[str]], list[int]]
+
+
+def too_few_documents(corpus: Corpus, count: int, n_readers: int) -> TsConfigError:
+    return TsConfigError(
+        f"corpus {corpus.name!r} has {count} document(s), fewer than the {n_readers} readers "
+        "(data-parallel size x --num-workers): add text or use fewer --num-workers"
+    )
+
+
+def check_documents_per_reader(corpora: Sequence[Corpus], n_readers: int) -> None:
+    """Every reader gets documents: a corpus with fewer shards than readers needs at least
+    ``n_readers`` documents (counting stops there)."""
+    for corpus in corpora:
+        if len(corpus.shards) >= n_readers:
+            continue
+        docs = (doc for shard in corpus.shards for doc in ShardReader(shard))
+        count = sum(1 for _ in itertools.islice(docs, n_readers))
+        if count < n_readers:
+            raise too_few_documents(corpus, count, n_readers)
 
 
 def held_out_documents(corpora: Sequence[Corpus], encode: DocumentEncoder) -> list[list[int]]:
@@ -82,19 +106,25 @@ class CorpusStream:
         """(pass, shard position, byte offset, document number, ids) of this reader's documents from the cursor."""
         c = self.cursor
         epoch_pass, shard, offset, doc = c.epoch_pass, c.shard, c.offset, c.doc
+        by_shard = len(self.corpus.shards) >= self.n_readers
         while True:
             order = shard_order(len(self.corpus.shards), self.seed, self.index, epoch_pass)
             while shard < len(order):
+                if by_shard and shard % self.n_readers != self.reader:
+                    shard, offset = shard + 1, 0
+                    continue
                 path = self.corpus.shards[order[shard]]
                 reader = ShardReader(path, offset)
                 for raw in reader:
-                    if doc % self.n_readers == self.reader:
+                    if by_shard or doc % self.n_readers == self.reader:
                         yield epoch_pass, shard, raw.offset, doc, self.encode(raw.lines)
                     doc += 1
                 if reader.bad_bytes:
                     logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, path)
                 shard, offset = shard + 1, 0
-            epoch_pass, shard = epoch_pass + 1, 0
+            if doc <= self.reader:  # documents are numbered 0 .. doc - 1 in each pass
+                raise too_few_documents(self.corpus, doc, self.n_readers)
+            epoch_pass, shard, doc = epoch_pass + 1, 0, 0
 
     def next_block(self, length: int) -> list[int]:
         """``length + 1`` tokens: the token before the block, then the block."""

@@ -11,7 +11,7 @@ from dataclasses import field
 
 from fairseq.data import FairseqDataset
 
-from torchscale_fairseq.data.lm_stream import LMBlockStream
+from torchscale_fairseq.data.lm_stream import LMBlockStream, check_documents_per_reader
 from torchscale_fairseq.data.stream_index import Corpus, load_index
 from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
@@ -89,6 +89,7 @@ class StreamingTask:
             )
         if opts.batches_per_epoch < 1:
             raise TsConfigError(f"--batches-per-epoch must be positive, got {opts.batches_per_epoch}")
+        check_documents_per_reader(dataset.corpora, dp_size * max(1, num_workers))
         stream = self.training_stream(dataset.corpora, batch_size, dp_rank, dp_size, max(1, num_workers))
         itr = StreamEpochBatchIterator(stream, num_workers, opts.batches_per_epoch, epoch)
         self.dataset_to_epoch_iter[dataset] = itr
