@@ -9,6 +9,9 @@ the FFN width is Magneto's Sub-LN in ``modules/feedforward.py``).
     # the same for the stock model of benchmarks/train_throughput.py
     .venv/bin/python benchmarks/profile_ops.py train --model-args "--arch transformer_lm --decoder-layers 6 \
         --decoder-embed-dim 512 --decoder-attention-heads 8 --decoder-ffn-embed-dim 2048"
+    # ts_lm (Magneto) and stock transformer_lm of benchmarks/train_throughput.py in one process,
+    # steps interleaved (both see the same load), self CPU seconds per op side by side
+    .venv/bin/python benchmarks/profile_ops.py compare --rounds 4
     # beam search of a checkpoint (e.g. one left by benchmarks/generation.py --workdir W)
     .venv/bin/python benchmarks/profile_ops.py generate --data W/data-bin --path W/ckpt_ours/checkpoint_last.pt
 """
@@ -16,6 +19,7 @@ the FFN width is Magneto's Sub-LN in ``modules/feedforward.py``).
 from __future__ import annotations
 
 import argparse
+import collections
 import shlex
 import sys
 import time
@@ -24,6 +28,9 @@ from argparse import Namespace
 import torch
 from _common import USER_DIR
 from torch.profiler import ProfilerActivity, profile
+
+LM_DIMS = ("--decoder-layers 6 --decoder-embed-dim 512 --decoder-attention-heads 8 "
+           "--decoder-ffn-embed-dim 2048")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,6 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--tokens-per-sample", type=int, default=256)
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--steps", type=int, default=1, help="profiled steps (after one warm-up step)")
+    c = sub.add_parser("compare", help="training steps of two models, interleaved, op tables side by side")
+    c.add_argument("--model-args", default=f"--arch ts_lm {LM_DIMS} --backbone magneto")
+    c.add_argument("--stock-args", default=f"--arch transformer_lm {LM_DIMS}")
+    c.add_argument("--vocab", type=int, default=10000)
+    c.add_argument("--tokens-per-sample", type=int, default=256)
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--rounds", type=int, default=2, help="profiled steps per model (after one warm-up step each)")
     g = sub.add_parser("generate", help="beam search on the test split")
     g.add_argument("--data", required=True)
     g.add_argument("--path", required=True)
@@ -112,8 +126,40 @@ def generate_fn(args):
     return step, 1
 
 
+def compare(args) -> None:
+    """Alternate profiled steps of the two models (ours first in even rounds) and print
+    wall time and self CPU seconds per op for each."""
+    steps = {}
+    for name, model_args in (("ours", args.model_args), ("stock", args.stock_args)):
+        torch.manual_seed(1)
+        steps[name] = train_step_fn(Namespace(**{**vars(args), "model_args": model_args}))[0]
+        steps[name]()  # warm-up
+    self_s = {name: collections.defaultdict(lambda: [0.0, 0]) for name in steps}
+    wall = dict.fromkeys(steps, 0.0)
+    for r in range(args.rounds):
+        for name in (("ours", "stock") if r % 2 == 0 else ("stock", "ours")):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                steps[name]()
+                wall[name] += time.perf_counter() - t0
+            for e in prof.key_averages():
+                self_s[name][e.key][0] += e.self_cpu_time_total / 1e6
+                self_s[name][e.key][1] += e.count
+    print(f"{args.rounds} step(s) each; wall s: ours {wall['ours']:.2f}, stock {wall['stock']:.2f}, "
+          f"ratio stock/ours {wall['stock'] / wall['ours']:.3f} (torch threads {torch.get_num_threads()})")
+    keys = sorted(set(self_s["ours"]) | set(self_s["stock"]),
+                  key=lambda k: -max(self_s["ours"][k][0], self_s["stock"][k][0]))
+    print(f"{'op':64s} {'ours s':>8s} {'calls':>6s} {'stock s':>8s} {'calls':>6s}")
+    for k in keys[: args.rows]:
+        (o, on), (s, sn) = self_s["ours"][k], self_s["stock"][k]
+        print(f"{k[:64]:64s} {o:8.3f} {on:6d} {s:8.3f} {sn:6d}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.what == "compare":
+        compare(args)
+        return 0
     step, n = train_step_fn(args) if args.what == "train" else generate_fn(args)
     t0 = time.perf_counter()
     step()  # warm-up

@@ -14,6 +14,30 @@ from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
 from torchscale_fairseq.modules.multihead_attention import IncrementalState, MultiheadAttention
 
 
+class _AddMasked(torch.autograd.Function):
+    """``residual + y * mask`` in one pass; backward ``(grad, grad * mask)``."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        return torch.addcmul(residual, y, mask)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return grad, grad * mask, None
+
+
+def dropout_add(residual: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``residual + F.dropout(y, p, training)``. In training with ``0 < p < 1`` the noise is
+    the one ``F.dropout`` draws on CPU (``bernoulli_(1 - p) / (1 - p)``, same generator
+    calls), applied and added in one pass instead of a multiply and an add."""
+    if not training or not 0.0 < p < 1.0 or residual.shape != y.shape or residual.dtype != y.dtype:
+        return residual + F.dropout(y, p, training)
+    mask = torch.empty_like(y).bernoulli_(1.0 - p).div_(1.0 - p)
+    return _AddMasked.apply(residual, y, mask)
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: StackConfig, cross_attention: bool = False, ffn: Optional[nn.Module] = None) -> None:
         super().__init__()
@@ -35,9 +59,9 @@ class TransformerLayer(nn.Module):
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn) -> torch.Tensor:
         if self.normalize_before:
-            return x + F.dropout(fn(norm(x)), self.dropout, self.training)
+            return dropout_add(x, fn(norm(x)), self.dropout, self.training)
         residual = x * self.alpha if self.alpha != 1.0 else x
-        return norm(residual + F.dropout(fn(x), self.dropout, self.training))
+        return norm(dropout_add(residual, fn(x), self.dropout, self.training))
 
     def forward(
         self,

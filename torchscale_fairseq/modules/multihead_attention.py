@@ -10,7 +10,7 @@ Keys/values are cached per module in ``incremental_state`` for decoding.
 from __future__ import annotations
 
 import uuid
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -83,10 +83,12 @@ class MultiheadAttention(nn.Module):
         self.xpos = XPos(self.head_dim) if xpos and self_attention else None
         self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
 
-    def _heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
-        """``(B, T, parts * h * d)`` -> ``(parts, B, h, T, d)``."""
+    def _heads(self, x: torch.Tensor, parts: int) -> Tuple[torch.Tensor, ...]:
+        """``(B, T, parts * h * d)`` -> ``parts`` views ``(B, h, T, d)``. Unbinding the
+        ``parts`` dimension in place makes the backward one ``stack`` straight into the
+        ``(B, T, parts * h * d)`` layout of the projection's gradient (no second copy)."""
         b, t, _ = x.shape
-        return x.view(b, t, parts, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return tuple(y.transpose(1, 2) for y in x.view(b, t, parts, self.local_heads, self.head_dim).unbind(2))
 
     def forward(
         self,
@@ -104,7 +106,7 @@ class MultiheadAttention(nn.Module):
         b, t, _ = x.shape
         cache = incremental_state.get(self.cache_key) if incremental_state is not None else None
         if self.self_attention:
-            q, k, v = self._heads(self.qkv_proj(x), 3).unbind(0)
+            q, k, v = self._heads(self.qkv_proj(x), 3)
             if self.xpos is not None:
                 q = self.xpos(q, offset=offset)
                 k = self.xpos(k, offset=offset, downscale=True)
@@ -118,7 +120,7 @@ class MultiheadAttention(nn.Module):
             if cache is not None:
                 k, v = cache["k"], cache["v"]
             else:
-                k, v = self._heads(self.kv_proj(memory), 2).unbind(0)
+                k, v = self._heads(self.kv_proj(memory), 2)
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         s = k.size(2)
