@@ -4,6 +4,15 @@ tokens (ideal ratio 1.0: top-2 does two FFNs' work per token). A GShard-style on
 dispatch (``T x E x C`` einsums) with the same router and experts is timed in the same
 run as the reference. Capacity factor 1.0, second expert always kept (worst case).
 
+Method: every step is ``zero_grad(set_to_none=True)`` then forward, ``sum()`` and
+backward, for the dense FFN, the MoE layer and the reference alike (``set_to_none``
+is what fairseq's optimizers do every update, so gradients are new tensors each step
+unless a module reuses memory, as the experts do, see
+:mod:`torchscale_fairseq.modules.moe.experts`). Each time is the best of ``--repeats``
+runs after one warm-up run; the dense FFN is timed again for every E, its runs
+interleaved with the MoE layer's, so that a ratio compares runs made under the same
+machine load.
+
 Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 3] [--threads 1]``
 """
 
@@ -24,14 +33,17 @@ from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def best_times(fns: list, repeats: int) -> list[float]:
+    """Best of ``repeats`` runs of each of ``fns`` (after one warm-up), runs interleaved."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def fwd_bwd(module, x: torch.Tensor):
@@ -72,23 +84,22 @@ def main() -> None:
     x = torch.randn(args.tokens // 512, 512, args.dim, requires_grad=True) if args.tokens % 512 == 0 else \
         torch.randn(1, args.tokens, args.dim, requires_grad=True)
     dense = FeedForwardNetwork(args.dim, args.ffn)
-    t_dense = best_time(fwd_bwd(dense, x), args.repeats)
     print(f"# {now()} | load {load_average()} | threads {args.threads} | T={args.tokens} d={args.dim} "
-          f"ffn={args.ffn} top-2 cf=1.0 | dense FFN fwd+bwd {t_dense * 1e3:.0f} ms")
-    print("| E | MoE fwd+bwd (ms) | ratio to 2x dense | one-hot einsum (ms) | one-hot ratio |")
-    print("|---|---|---|---|---|")
+          f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | best of {args.repeats}")
+    print("| E | dense fwd+bwd (ms) | MoE fwd+bwd (ms) | ratio to 2x dense | one-hot einsum (ms) | one-hot ratio |")
+    print("|---|---|---|---|---|---|")
     ratios = {}
     for e in args.experts:
         cfg = MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all")
         layer = MoELayer(cfg, args.dim, args.ffn)
-        t_moe = best_time(fwd_bwd(layer, x), args.repeats)
+        t_dense, t_moe = best_times([fwd_bwd(dense, x), fwd_bwd(layer, x)], args.repeats)
         ratios[e] = t_moe / (2 * t_dense)
         if e <= args.skip_one_hot_above:
-            t_ref = best_time(one_hot_step(layer, x), max(1, args.repeats - 1))
+            t_ref = best_times([one_hot_step(layer, x)], max(1, args.repeats - 1))[0]
             ref = f"{t_ref * 1e3:.0f} | {t_ref / (2 * t_dense):.2f}"
         else:
             ref = "skipped | -"
-        print(f"| {e} | {t_moe * 1e3:.0f} | {ratios[e]:.2f} | {ref} |", flush=True)
+        print(f"| {e} | {t_dense * 1e3:.0f} | {t_moe * 1e3:.0f} | {ratios[e]:.2f} | {ref} |", flush=True)
     first, last = args.experts[0], args.experts[-1]
     print(f"growth E={first} -> E={last}: {100 * (ratios[last] / ratios[first] - 1):+.1f}%")
 

@@ -7,12 +7,14 @@ from argparse import Namespace
 import pytest
 import torch
 
-from tests.cli_utils import USER_DIR, run, tool
+from tests.cli_utils import MT_TRAIN, USER_DIR, run, tool
 from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.moe_terms import moe_layers
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.modules.moe.config import moe_config_from_args
+from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
+from torchscale_fairseq.modules.moe.generation import check_generation
 from torchscale_fairseq.modules.moe.groups import expert_layout
+from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer
 
 
 def _args(**kw) -> Namespace:
@@ -75,3 +77,30 @@ def test_cli_prints_one_line(tmp_path, moe_lm_data):
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert errors == ["fairseq-train: error: --moe-top-k 3 is not supported: use 1 or 2"], proc.stderr[-2000:]
+
+
+def test_generator_is_refused_for_expert_choice_models():
+    """Raised by ``FairseqTask.build_generator`` itself, before any decoder call."""
+    from fairseq.tasks import FairseqTask
+
+    choice = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), 8, 16))
+    with pytest.raises(TsConfigError, match="cannot serve autoregressive"):
+        FairseqTask.build_generator(None, [choice], Namespace(score_reference=False))
+    check_generation([torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="xmoe"), 8, 16))])
+
+
+def test_generate_refuses_expert_choice_before_decoding(tmp_path, moe_mt_data):
+    """The error comes from building the generator: no source or hypothesis line is printed."""
+    save = tmp_path / "ck"
+    run([tool("fairseq-train"), moe_mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
+         "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+         "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+         "--decoder-attention-heads", "2", "--moe-expert-count", "2", "--moe-router", "expert_choice",
+         "--criterion", "moe_label_smoothed_cross_entropy", "--max-update", "1", "--save-dir", save,
+         "--disable-validation", "--num-workers", "0"])
+    gen = run([tool("fairseq-generate"), moe_mt_data, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
+               "--beam", "2", "--max-len-b", "20", "--batch-size", "16", "--cpu", "--num-workers", "0"], check=False)
+    assert gen.returncode == 2
+    assert not [ln for ln in gen.stdout.splitlines() if ln[:2] in ("S-", "H-", "D-", "P-")]
+    errors = [ln for ln in gen.stderr.splitlines() if "error" in ln.lower()]
+    assert errors == [f"fairseq-generate: error: {EXPERT_CHOICE_DECODING}"], gen.stderr[-2000:]

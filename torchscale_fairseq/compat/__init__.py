@@ -25,6 +25,7 @@ def apply_fairseq_fixes() -> None:
     from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
     from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
     from torchscale_fairseq.errors import install_excepthook
+    from torchscale_fairseq.modules.moe.generation import patch_build_generator
     from torchscale_fairseq.modules.moe.grad_sync import patch_distributed_wrapper
 
     patch_numpy_compat()
@@ -38,5 +39,6 @@ def apply_fairseq_fixes() -> None:
     patch_trainer_expert_checkpoints()
     patch_overflow_on_cpu()
     patch_distributed_wrapper()
+    patch_build_generator()
     patch_checkpoint_reads()  # last: wraps the checkpoint loader the patches above installed
     _APPLIED = True

@@ -2,14 +2,15 @@
 per projection (``fc2(act(fc1 x))``, Sub-LN before ``fc2`` under Magneto).
 
 Each projection ``y = b + x W`` (``W``: ``(E_l, d_in, d_out)``) is a
-:class:`BatchedLinear` whose backward is ``dx = dy W^T``, ``dW = x^T dy``,
-``db = sum_C dy``. ``dW`` is as large as the expert weights (2 GB per step at 256
-experts of 512 x 2048), and fairseq clears gradients to ``None`` every step, so it is
-a fresh allocation each time; on Linux it is asked for in transparent huge pages
-(``madvise(MADV_HUGEPAGE)``), which makes first-touch page faults of that memory about
-5x cheaper (measured 1.8 s -> 0.3 s per GB on the benchmark box). The gradient still
-reaches ``.grad`` through autograd (hooks, accumulation and ``torch.autograd.grad``
-behave as for any parameter).
+:class:`BatchedLinear` with backward ``dx = dy W^T``, ``dW = x^T dy``, ``db = sum_C dy``.
+``dW`` is as large as the expert weights (2 GB per step for 256 experts of 512 x 2048)
+and fairseq sets gradients to ``None`` every step, so without care it is a fresh
+allocation each step, and on CPU the first-touch page faults of that memory cost more
+than the GEMM that fills it (1.4-1.8 s per GB on the benchmark box, vs 1.1 s for the
+GEMM). :class:`GradBuffers` keeps the storage of the last weight gradient and hands it
+out again once nothing else references it (its storage use count is back to 1), so the
+gradient still reaches ``.grad`` through autograd (hooks, accumulation and
+``torch.autograd.grad`` behave as for any parameter) but the memory stays mapped.
 
 Expert parameters carry ``expert = True``, ``expert_group`` (the ranks holding other
 experts, for the gradient norm) and ``expert_replica_group`` (the ranks holding a copy
@@ -20,9 +21,7 @@ so an expert gets the same initial weights whatever the number of ranks.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -32,28 +31,38 @@ from torch.autograd.function import once_differentiable
 from torchscale_fairseq.modules.feedforward import activate, check_activation
 
 
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+class GradBuffers:
+    """One reusable gradient storage per weight name (see the module docstring)."""
 
+    def __init__(self) -> None:
+        self.storages: dict[str, torch.UntypedStorage] = {}
 
-def empty_huge(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
-    """``torch.empty`` of a large CPU buffer, its 2 MB-aligned interior advised as huge pages."""
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    if _LIBC is not None and out.device.type == "cpu" and out.nbytes >= 2 * HUGE_PAGE:
-        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
-    return out
+    def empty(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped like ``like``, on the cached storage when it is free."""
+        storage = self.storages.get(name)
+        if (storage is None or storage.device != like.device or storage.nbytes() != like.nbytes
+                or torch._C._storage_Use_Count(storage._cdata) > 1):
+            out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            self.storages[name] = out.untyped_storage()
+            return out
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape)
+
+    def __getstate__(self) -> dict:
+        """A cache: copies and pickles start empty."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.storages = {}
 
 
 class BatchedLinear(torch.autograd.Function):
     """``y = b + x W`` per expert: ``x`` (E, C, d_in), ``W`` (E, d_in, d_out), ``b`` (E, d_out)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: GradBuffers,
+                name: str) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.buffers, ctx.name = buffers, name
         return torch.baddbmm(bias.unsqueeze(1), x, weight)
 
     @staticmethod
@@ -62,10 +71,11 @@ class BatchedLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
         dx = torch.bmm(grad, weight.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        dw = torch.bmm(x.transpose(1, 2), grad, out=empty_huge(weight.shape, weight)) \
-            if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(x.transpose(1, 2), grad, out=ctx.buffers.empty(ctx.name, weight))
         db = grad.sum(1) if ctx.needs_input_grad[2] else None
-        return dx, dw, db
+        return dx, dw, db, None, None
 
 
 def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
@@ -99,6 +109,7 @@ class BatchedExperts(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(num_local, embed_dim))
         self.ln_weight = nn.Parameter(torch.ones(num_local, ffn_dim)) if subln else None
         self.ln_bias = nn.Parameter(torch.zeros(num_local, ffn_dim)) if subln else None
+        self.grad_buffers = GradBuffers()
         base = int(torch.randint(0, 2**31 - 1, ()).item())
         std1 = gain * math.sqrt(2.0 / (embed_dim + ffn_dim))
         with torch.no_grad():
@@ -113,11 +124,11 @@ class BatchedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (E_l, C, d)."""
-        h = BatchedLinear.apply(x, self.fc1_weight.to(x.dtype), self.fc1_bias.to(x.dtype))
+        h = BatchedLinear.apply(x, self.fc1_weight.to(x.dtype), self.fc1_bias.to(x.dtype), self.grad_buffers, "fc1")
         h = activate(h, self.activation)
         if self.activation_dropout > 0 and self.training:
             h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
             h = F.layer_norm(h, h.shape[-1:], eps=self.layernorm_eps)
             h = h * self.ln_weight.unsqueeze(1).to(h.dtype) + self.ln_bias.unsqueeze(1).to(h.dtype)
-        return BatchedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype))
+        return BatchedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), self.grad_buffers, "fc2")

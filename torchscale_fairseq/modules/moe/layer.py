@@ -30,6 +30,11 @@ from torchscale_fairseq.modules.moe.gating import (
 from torchscale_fairseq.modules.moe.groups import ExpertParallel, get_expert_parallel
 from torchscale_fairseq.modules.moe.routers import build_router
 
+EXPERT_CHOICE_DECODING = (
+    "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
+    "(incremental) decoding: generate with a token-choice router (xmoe or linear)"
+)
+
 
 class MoELayer(nn.Module):
     takes_padding_mask = True
@@ -67,10 +72,7 @@ class MoELayer(nn.Module):
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.router == "expert_choice":
             if incremental:
-                raise TsConfigError(
-                    "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
-                    "(incremental) decoding: generate with a token-choice router (xmoe or linear)"
-                )
+                raise TsConfigError(EXPERT_CHOICE_DECODING)
             return probs, expert_choice_routing(probs, cfg.top_k, factor if factor > 0 else cfg.capacity_factor)
         return probs, top_k_routing(probs, cfg.top_k, factor, cfg.second_expert_policy,
                                     cfg.normalize_gate_prob_before_dropping, self.training)
