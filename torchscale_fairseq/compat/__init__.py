@@ -21,6 +21,7 @@ def apply_fairseq_fixes() -> None:
     from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
     from torchscale_fairseq.compat.expert_checkpoints import patch_trainer_expert_checkpoints
     from torchscale_fairseq.compat.model_parallel_init import patch_fairseq_model_parallel
+    from torchscale_fairseq.compat.ngram_repeat_block import patch_ngram_repeat_block
     from torchscale_fairseq.compat.nonfinite_skip import patch_nonfinite_skip
     from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
     from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
@@ -30,6 +31,7 @@ def apply_fairseq_fixes() -> None:
 
     patch_numpy_compat()
     patch_batching()
+    patch_ngram_repeat_block()
     patch_checkpoint_writes()
     patch_nonfinite_skip()
     register_safe_globals()
