@@ -165,9 +165,10 @@ def _nonempty(d: Path) -> Path:
 
 def test_both_invocations_print_one_line_errors(repo_root: Path, tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.txt")
+    out_dir = ["--out-dir", str(tmp_path / "out")]  # not the default: the demo may have filled it
     commands = [
-        [sys.executable, "-m", "data_prep.prepare_lm", "--train-text", missing],
-        [sys.executable, str(repo_root / "data_prep" / "prepare_lm.py"), "--train-text", missing],
+        [sys.executable, "-m", "data_prep.prepare_lm", "--train-text", missing, *out_dir],
+        [sys.executable, str(repo_root / "data_prep" / "prepare_lm.py"), "--train-text", missing, *out_dir],
     ]
     procs = [
         subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
