@@ -49,7 +49,8 @@ def test_documents_match_gpt2_ids() -> None:
     assert ids == first + [EOS] + second + [EOS, EOS]
 
 
-@pytest.mark.parametrize("n_shards,n_docs,n_readers", [(3, 7, 4), (5, 3, 2)], ids=["by-document", "by-shard"])
+@pytest.mark.parametrize("n_shards,n_docs,n_readers", [(3, 7, 4), (5, 3, 2), (4, 1, 4)],
+                         ids=["by-document", "by-shard", "by-shard-one-document-each"])
 def test_readers_disjoint_and_complete(tmp_path: Path, n_shards: int, n_docs: int, n_readers: int) -> None:
     make_stream_data(tmp_path, {"c": (n_shards, n_docs, 1.0)})
     corpus = load_index(str(tmp_path), "train")[0]

@@ -122,7 +122,7 @@ class CorpusStream:
                 if reader.bad_bytes:
                     logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, path)
                 shard, offset = shard + 1, 0
-            if doc <= self.reader:  # documents are numbered 0 .. doc - 1 in each pass
+            if not by_shard and doc <= self.reader:  # documents are numbered 0 .. doc - 1 in each pass
                 raise too_few_documents(self.corpus, doc, self.n_readers)
             epoch_pass, shard, doc = epoch_pass + 1, 0, 0
 
@@ -194,15 +194,18 @@ class LMBlockStream(torch.utils.data.IterableDataset):
             after = {"blocks": blocks, "cursors": [asdict(s.cursor) for s in streams]}
             yield self.collate(rows, blocks - len(rows), g, (local, after))
 
+    def sample_ids(self, first_block: int, n: int, reader: int) -> torch.Tensor:
+        """Stream-wide sample ids: block number x readers + reader."""
+        return torch.arange(first_block, first_block + n) * (self.dp_size * self.n_local) + reader
+
     def collate(self, rows: list[list[int]], first_block: int, reader: int, state: tuple[int, dict]) -> dict:
         """A fairseq LM sample (source = block shifted right by one) plus its ``stream_state``.
 
         ``rows`` hold ``block_tokens + 1`` ids: the token before the block, then the block."""
         tokens = torch.tensor(rows, dtype=torch.long)
         bsz, length = len(rows), self.tokens_per_sample
-        ids = torch.arange(first_block, first_block + bsz) * (self.dp_size * self.n_local) + reader
         return {
-            "id": ids,
+            "id": self.sample_ids(first_block, bsz, reader),
             "nsentences": bsz,
             "ntokens": bsz * length,
             "net_input": {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((bsz,), length)},

@@ -56,7 +56,7 @@ class MaskedBlockStream(LMBlockStream):
     def collate(self, rows: list[list[int]], first_block: int, reader: int, state: tuple[int, dict]) -> dict:
         """Drop the token before each block (no shift in a masked LM), prepend ``<s>``, mask."""
         pairs = [self.masker(row[1:], f"{reader}:{first_block + i}") for i, row in enumerate(rows)]
-        ids = torch.arange(first_block, first_block + len(rows)) * (self.dp_size * self.n_local) + reader
+        ids = self.sample_ids(first_block, len(rows), reader)
         return {**masked_batch(pairs, ids, self.masker.pad), "stream_state": state}
 
 
