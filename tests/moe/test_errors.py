@@ -12,9 +12,8 @@ from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.moe_terms import moe_layers
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
-from torchscale_fairseq.modules.moe.generation import check_generation
 from torchscale_fairseq.modules.moe.groups import expert_layout
-from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer
+from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer, check_generation
 
 
 def _args(**kw) -> Namespace:

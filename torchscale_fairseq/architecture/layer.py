@@ -29,10 +29,13 @@ class _AddMasked(torch.autograd.Function):
 
 
 def dropout_add(residual: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``residual + F.dropout(y, p, training)``. In training with ``0 < p < 1`` the noise is
-    the one ``F.dropout`` draws on CPU (``bernoulli_(1 - p) / (1 - p)``, same generator
-    calls), applied and added in one pass instead of a multiply and an add."""
-    if not training or not 0.0 < p < 1.0 or residual.shape != y.shape or residual.dtype != y.dtype:
+    """``residual + F.dropout(y, p, training)``. On CPU in training with ``0 < p < 1`` the
+    noise is the one ``F.dropout`` draws there (``bernoulli_(1 - p) / (1 - p)``, same
+    generator calls, kept as a float tensor for backward as ``F.dropout`` on CPU keeps it),
+    applied and added in one pass instead of a multiply and an add. Other devices use
+    ``F.dropout``, whose fused kernel keeps a 1-byte mask."""
+    if (not training or not 0.0 < p < 1.0 or y.device.type != "cpu" or residual.shape != y.shape
+            or residual.dtype != y.dtype):
         return residual + F.dropout(y, p, training)
     mask = torch.empty_like(y).bernoulli_(1.0 - p).div_(1.0 - p)
     return _AddMasked.apply(residual, y, mask)

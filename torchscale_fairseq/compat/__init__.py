@@ -20,14 +20,14 @@ def apply_fairseq_fixes() -> None:
     from torchscale_fairseq.compat.cpu_overflow import patch_overflow_on_cpu
     from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
     from torchscale_fairseq.compat.expert_checkpoints import patch_trainer_expert_checkpoints
+    from torchscale_fairseq.compat.expert_choice_generation import patch_build_generator
+    from torchscale_fairseq.compat.expert_ddp import patch_distributed_wrapper
     from torchscale_fairseq.compat.model_parallel_init import patch_fairseq_model_parallel
     from torchscale_fairseq.compat.ngram_repeat_block import patch_ngram_repeat_block
     from torchscale_fairseq.compat.nonfinite_skip import patch_nonfinite_skip
     from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
     from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
     from torchscale_fairseq.errors import install_excepthook
-    from torchscale_fairseq.modules.moe.generation import patch_build_generator
-    from torchscale_fairseq.modules.moe.grad_sync import patch_distributed_wrapper
 
     patch_numpy_compat()
     patch_batching()

@@ -1,25 +1,17 @@
 """Expert gradients under data parallelism.
 
-DDP must neither broadcast nor average expert parameters (ranks hold different
-experts under the same names). Their gradients already contain every rank's tokens
-(the all-to-all backward brings them home), so an expert's gradient is summed over its
-replica group and divided by the data-parallel size ``W``, matching DDP's mean for the
-dense parameters (fairseq then multiplies all gradients by ``W / sample_size``).
-
-:func:`patch_distributed_wrapper` wraps ``fairseq.models.DistributedFairseqModel`` so
-that (1) ``torch`` DDP ignores expert parameters and (2) the wrapper's
-``all_reduce_grads`` (called by every fairseq optimizer before clipping) also runs
-:func:`sync_expert_grads`. ``legacy_ddp`` already skips parameters with ``expert``.
+Ranks hold different experts under the same parameter names, so data parallelism must
+neither broadcast nor average expert parameters. Their gradients already contain every
+rank's tokens (the all-to-all backward brings them home), so an expert's gradient is
+summed over its replica group and divided by the data-parallel size ``W``, matching
+DDP's mean for the dense parameters (fairseq then multiplies all gradients by
+``W / sample_size``). The fairseq wiring is :mod:`torchscale_fairseq.compat.expert_ddp`.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-
-from torchscale_fairseq.errors import TsConfigError
-
-SUPPORTED_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -36,42 +28,3 @@ def sync_expert_grads(model: nn.Module, data_parallel_size: int) -> None:
             dist.all_reduce(p.grad, group=group)
         if data_parallel_size > 1:
             p.grad.div_(data_parallel_size)
-
-
-def _data_parallel_size(process_group) -> int:
-    if process_group is not None:
-        return dist.get_world_size(process_group)
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def patch_distributed_wrapper() -> None:
-    """Install the wrapper described in the module docstring (idempotent)."""
-    import fairseq.models as fairseq_models
-
-    original = fairseq_models.DistributedFairseqModel
-    if getattr(original, "_ts_expert_aware", False):
-        return
-
-    def wrap(args, model, process_group, device):
-        names = expert_parameter_names(model)
-        if not names:
-            return original(args, model, process_group, device)
-        if args.ddp_backend not in SUPPORTED_BACKENDS:
-            raise TsConfigError(
-                f"--ddp-backend {args.ddp_backend} cannot keep experts apart: use --ddp-backend c10d or legacy_ddp"
-            )
-        model._ddp_params_and_buffers_to_ignore = names
-        wrapped = original(args, model, process_group, device)
-        size = _data_parallel_size(process_group)
-        previous = getattr(wrapped, "all_reduce_grads", None)
-
-        def all_reduce_grads() -> None:
-            if previous is not None:
-                previous()
-            sync_expert_grads(model, size)
-
-        object.__setattr__(wrapped, "all_reduce_grads", all_reduce_grads)
-        return wrapped
-
-    wrap._ts_expert_aware = True
-    fairseq_models.DistributedFairseqModel = wrap

@@ -10,6 +10,8 @@ get a zero output, so the residual carries them. After each forward the layer ke
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -34,6 +36,13 @@ EXPERT_CHOICE_DECODING = (
     "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
     "(incremental) decoding: generate with a token-choice router (xmoe or linear)"
 )
+
+
+def check_generation(models: Iterable[nn.Module]) -> None:
+    """Raise :class:`TsConfigError` if any of ``models`` routes by expert choice (before decoding)."""
+    for model in models:
+        if any(isinstance(m, MoELayer) and m.cfg.router == "expert_choice" for m in model.modules()):
+            raise TsConfigError(EXPERT_CHOICE_DECODING)
 
 
 class MoELayer(nn.Module):

@@ -4,7 +4,8 @@ not generated yet.
 
 :func:`patch_build_generator` makes ``FairseqTask.build_generator`` (called by
 ``fairseq-generate``, ``fairseq-interactive`` and the hub interface before any decoding)
-refuse a model with an expert-choice MoE layer with a one-line :class:`TsConfigError`;
+refuse a model with an expert-choice MoE layer with a one-line error
+(:func:`~torchscale_fairseq.modules.moe.layer.check_generation`);
 ``--score-reference`` (full-sequence scoring, no decoding) is let through. The layer
 itself raises the same error on an incremental forward, for callers that decode
 without a generator.
@@ -12,19 +13,9 @@ without a generator.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
-from torch import nn
-
-from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer
-
-
-def check_generation(models: Iterable[nn.Module]) -> None:
-    """Raise :class:`TsConfigError` if any of ``models`` routes by expert choice."""
-    for model in models:
-        if any(isinstance(m, MoELayer) and m.cfg.router == "expert_choice" for m in model.modules()):
-            raise TsConfigError(EXPERT_CHOICE_DECODING)
+from torchscale_fairseq.modules.moe.layer import check_generation
 
 
 def patch_build_generator() -> None:
