@@ -7,23 +7,30 @@ import re
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, run, tool
+from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, run, run_many, tool
 
 
 @pytest.fixture(scope="module")
-def lm_ckpt(lm_data, tmp_path_factory):
-    save = tmp_path_factory.mktemp("lm_ck")
-    run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "40",
-         "--save-dir", save, *LM_TRAIN])
-    return save
+def checkpoints(lm_data, mt_data, tmp_path_factory) -> dict:
+    """An LM (40 updates) and a translation model (120 updates), trained side by side."""
+    lm, mt = tmp_path_factory.mktemp("lm_ck"), tmp_path_factory.mktemp("mt_ck")
+    run_many([
+        [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "40",
+         "--save-dir", lm, *LM_TRAIN],
+        [tool("fairseq-train"), mt_data, "--user-dir", USER_DIR, "--arch", "ts_transformer_tiny", "--max-update",
+         "120", "--save-dir", mt, "--dropout", "0.0", *MT_TRAIN],
+    ])
+    return {"lm": lm, "mt": mt}
 
 
 @pytest.fixture(scope="module")
-def mt_ckpt(mt_data, tmp_path_factory):
-    save = tmp_path_factory.mktemp("mt_ck")
-    run([tool("fairseq-train"), mt_data, "--user-dir", USER_DIR, "--arch", "ts_transformer_tiny", "--max-update",
-         "120", "--save-dir", save, "--dropout", "0.0", *MT_TRAIN])
-    return save
+def lm_ckpt(checkpoints):
+    return checkpoints["lm"]
+
+
+@pytest.fixture(scope="module")
+def mt_ckpt(checkpoints):
+    return checkpoints["mt"]
 
 
 def test_checkpoint_reload_continues_training(lm_data, lm_ckpt, tmp_path):
@@ -59,8 +66,7 @@ def _hypotheses(text: str) -> dict:
 def test_generate_batched_beam_equals_one_at_a_time(mt_data, mt_ckpt):
     common = [tool("fairseq-generate"), mt_data, "--path", mt_ckpt / "checkpoint_best.pt", "--user-dir", USER_DIR,
               "--cpu", "--beam", "4", "--gen-subset", "test"]
-    batched = run([*common, "--batch-size", "16"])
-    single = run([*common, "--batch-size", "1"])
+    batched, single = run_many([[*common, "--batch-size", "16"], [*common, "--batch-size", "1"]])
     hyps_b, hyps_s = _hypotheses(batched.stdout), _hypotheses(single.stdout)
     assert len(hyps_b) == 40 and hyps_b == hyps_s
     bleu = float(re.search(r"BLEU4 = ([\d.]+)", batched.stdout).group(1))

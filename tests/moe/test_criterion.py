@@ -28,11 +28,11 @@ def _sample(task) -> dict:
     return sample_of(torch.randint(d.pad() + 1, len(d), (4, 17), generator=torch.Generator().manual_seed(3)))
 
 
-def test_loss_adds_weighted_balance_term_and_reports_base(moe_lm_data):
-    task, model, moe_crit = _build(moe_lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
+def test_loss_adds_weighted_balance_term_and_reports_base(lm_data):
+    task, model, moe_crit = _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
                                    "--moe-gate-loss-wt", "0.05")
     plain = task.build_criterion(convert_namespace_to_omegaconf(options.parse_args_and_arch(
-        options.get_training_parser(), [str(moe_lm_data), "--user-dir", USER_DIR, "--task", "language_modeling",
+        options.get_training_parser(), [str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling",
                                         "--arch", "ts_lm_tiny", "--criterion", "cross_entropy"])).criterion)
     model.eval()
     sample = _sample(task)
@@ -52,8 +52,8 @@ def test_loss_adds_weighted_balance_term_and_reports_base(moe_lm_data):
     assert values["loss"] == pytest.approx(float(base_loss) / size / torch.log(torch.tensor(2.0)).item(), abs=1e-3)
 
 
-def test_dense_model_under_moe_criterion(moe_lm_data):
-    task, model, crit = _build(moe_lm_data, "moe_cross_entropy")
+def test_dense_model_under_moe_criterion(lm_data):
+    task, model, crit = _build(lm_data, "moe_cross_entropy")
     loss, _, log = crit(model, _sample(task))
     assert torch.isfinite(loss) and log["moe_gate_loss"] == 0.0
     with metrics.aggregate() as agg:

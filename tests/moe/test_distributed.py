@@ -16,6 +16,7 @@ from tests.cli_utils import (
     free_port,
     json_logs,
     run,
+    run_many,
     tool,
 )
 
@@ -35,7 +36,7 @@ def _consolidate(name, out):
 
 
 @pytest.mark.parametrize("experts,extra", [("4", ["--moe-top-k", "2"]), ("1", ["--moe-top-k", "1"])])
-def test_expert_parallel_equals_single_process(tmp_path, moe_lm_data, experts, extra):
+def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra):
     """E=4 on 2 ranks (2 experts each) and E=1 on 2 ranks (replicas) vs 1 process: same
     losses, same SparseClip norms (issue 4: expert-parallel and data-parallel norm), same
     parameters.
@@ -45,10 +46,9 @@ def test_expert_parallel_equals_single_process(tmp_path, moe_lm_data, experts, e
     flags = ["--moe-expert-count", experts, "--moe-freq", "1", "--criterion", "moe_cross_entropy",
              "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
              "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", *extra]
-    outs = {}
-    for world in (1, 2):
-        outs[world] = tmp_path / f"w{world}.pt"
-        run([sys.executable, "-m", "tests.moe.dist_harness", outs[world], str(world), moe_lm_data, *flags])
+    outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
+    run_many([[sys.executable, "-m", "tests.moe.dist_harness", outs[world], str(world), lm_data, *flags]
+              for world in (1, 2)])
     one, two = torch.load(outs[1]), torch.load(outs[2])
     assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
     assert one["losses"][0] != one["losses"][-1]
@@ -60,9 +60,9 @@ def test_expert_parallel_equals_single_process(tmp_path, moe_lm_data, experts, e
         assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
 
 
-def test_lm_train_consolidate_validate_eval(tmp_path, moe_lm_data):
+def test_lm_train_consolidate_validate_eval(tmp_path, lm_data):
     save = tmp_path / "ck"
-    proc = _torchrun([moe_lm_data, "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *MOE, "--criterion",
+    proc = _torchrun([lm_data, "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *MOE, "--criterion",
                       "moe_cross_entropy", "--max-update", "12", "--save-dir", save])
     inner = json_logs(proc.stdout + proc.stderr, "train_inner")
     assert inner and {"moe_gate_loss", "moe_cv_dec1", "moe_drop", "moe_entropy"} <= set(inner[-1])
@@ -71,9 +71,15 @@ def test_lm_train_consolidate_validate_eval(tmp_path, moe_lm_data):
         "checkpoint_best-shard0.pt", "checkpoint_best-shard1.pt", "checkpoint_last-shard0.pt",
         "checkpoint_last-shard1.pt"]
     _consolidate(save / "checkpoint_last.pt", tmp_path / "lm.pt")
-    out = run([tool("fairseq-validate"), moe_lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "lm.pt",
-               "--task", "language_modeling", "--tokens-per-sample", "32", "--batch-size", "16", "--cpu",
-               "--num-workers", "0"])
+    out, ev, same = run_many([
+        [tool("fairseq-validate"), lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "lm.pt", "--task",
+         "language_modeling", "--tokens-per-sample", "32", "--batch-size", "16", "--cpu", "--num-workers", "0"],
+        [tool("fairseq-eval-lm"), lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "lm.pt",
+         "--tokens-per-sample", "32", "--batch-size", "16", "--cpu", "--num-workers", "0"],
+        [sys.executable, "-m", "torchscale_fairseq.cli.consolidate_experts", save / "checkpoint_last-shard0.pt",
+         save / "checkpoint_last-shard0.pt", "-o", tmp_path / "bad.pt"],
+    ], check=False)
+    assert out.returncode == 0 and ev.returncode == 0, out.stderr[-2000:] + ev.stderr[-2000:]
     line = [ln for ln in out.stderr.splitlines() + out.stdout.splitlines() if "valid on 'valid'" in ln][-1]
     fields = dict(part.strip().split(" ", 1) for part in line.split("|")[3:])
     assert float(fields["loss"]) == pytest.approx(float(valid["valid_loss"]), abs=2e-3)
@@ -81,24 +87,20 @@ def test_lm_train_consolidate_validate_eval(tmp_path, moe_lm_data):
     # split between them (the last one partial), so they agree to a few percent, not exactly
     for key in ("moe_gate_loss", "moe_cv_dec1", "moe_entropy"):
         assert float(fields[key]) == pytest.approx(float(valid[f"valid_{key}"]), rel=0.05), key
-    ev = run([tool("fairseq-eval-lm"), moe_lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "lm.pt",
-              "--tokens-per-sample", "32", "--batch-size", "16", "--cpu", "--num-workers", "0"])
     assert "Perplexity" in ev.stdout + ev.stderr
-    same = run([sys.executable, "-m", "torchscale_fairseq.cli.consolidate_experts", save / "checkpoint_last-shard0.pt",
-                save / "checkpoint_last-shard0.pt", "-o", tmp_path / "bad.pt"], check=False)
     assert same.returncode == 2
     assert same.stderr.strip().splitlines()[-1].endswith("are both rank 0: shards from different runs")
 
 
-def test_translation_train_consolidate_generate(tmp_path, moe_mt_data):
+def test_translation_train_consolidate_generate(tmp_path, mt_data):
     save = tmp_path / "ck"
-    _torchrun([moe_mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
+    _torchrun([mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
                "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim",
                "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads",
                "2", "--decoder-attention-heads", "2", *MOE, "--criterion", "moe_label_smoothed_cross_entropy",
                "--max-update", "10", "--save-dir", save, "--disable-validation"])
     _consolidate(save / "checkpoint_last.pt", tmp_path / "mt.pt")
-    gen = run([tool("fairseq-generate"), moe_mt_data, "--user-dir", USER_DIR, "--path", tmp_path / "mt.pt",
+    gen = run([tool("fairseq-generate"), mt_data, "--user-dir", USER_DIR, "--path", tmp_path / "mt.pt",
                "--beam", "2", "--max-len-b", "20", "--batch-size", "16", "--cpu", "--num-workers", "0"])
     text = gen.stdout + gen.stderr
     assert sum(1 for ln in text.splitlines() if ln.startswith("H-")) == 40

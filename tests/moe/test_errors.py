@@ -69,8 +69,8 @@ def test_consolidation_merges_and_refuses_mismatched_shards():
         consolidate([_shard(0)], ["a"])
 
 
-def test_cli_prints_one_line(tmp_path, moe_lm_data):
-    proc = run([tool("fairseq-train"), moe_lm_data, "--user-dir", USER_DIR, "--task", "language_modeling",
+def test_cli_prints_one_line(tmp_path, lm_data):
+    proc = run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--task", "language_modeling",
                 "--arch", "ts_lm_tiny", "--cpu", "--moe-expert-count", "2", "--moe-top-k", "3",
                 "--optimizer", "adam", "--max-tokens", "256", "--save-dir", tmp_path], check=False)
     assert proc.returncode != 0
@@ -88,16 +88,16 @@ def test_generator_is_refused_for_expert_choice_models():
     check_generation([torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="xmoe"), 8, 16))])
 
 
-def test_generate_refuses_expert_choice_before_decoding(tmp_path, moe_mt_data):
+def test_generate_refuses_expert_choice_before_decoding(tmp_path, mt_data):
     """The error comes from building the generator: no source or hypothesis line is printed."""
     save = tmp_path / "ck"
-    run([tool("fairseq-train"), moe_mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
+    run([tool("fairseq-train"), mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
          "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
          "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
          "--decoder-attention-heads", "2", "--moe-expert-count", "2", "--moe-router", "expert_choice",
          "--criterion", "moe_label_smoothed_cross_entropy", "--max-update", "1", "--save-dir", save,
          "--disable-validation", "--num-workers", "0"])
-    gen = run([tool("fairseq-generate"), moe_mt_data, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
+    gen = run([tool("fairseq-generate"), mt_data, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
                "--beam", "2", "--max-len-b", "20", "--batch-size", "16", "--cpu", "--num-workers", "0"], check=False)
     assert gen.returncode == 2
     assert not [ln for ln in gen.stdout.splitlines() if ln[:2] in ("S-", "H-", "D-", "P-")]

@@ -108,22 +108,22 @@ def _train_args(data, *extra: str) -> list[str]:
             "--decoder-layers", "2", "--tokens-per-sample", "16", "--dropout", "0", *extra]
 
 
-def test_base_optimizer_flags_are_parsed(moe_lm_data):
+def test_base_optimizer_flags_are_parsed(lm_data):
     parse = options.get_training_parser()
     args = options.parse_args_and_arch(parse, _train_args(
-        moe_lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "adam", "--adam-betas", "(0.9, 0.98)",
+        lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "adam", "--adam-betas", "(0.9, 0.98)",
         "--clip-norm", "1.0", "--sparse-clip-kappa", "0.25"))
     assert args.adam_betas == "(0.9, 0.98)" and args.sparse_clip_kappa == 0.25 and args.clip_norm == 1.0
     args = options.parse_args_and_arch(options.get_training_parser(), _train_args(
-        moe_lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--momentum", "0.9"))
+        lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--momentum", "0.9"))
     assert args.momentum == 0.9
     with pytest.raises(TsConfigError, match="--sparse-clip-base 'nope' is not a fairseq optimizer"):
         options.parse_args_and_arch(options.get_training_parser(), _train_args(
-            moe_lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "nope"))
+            lm_data, "--optimizer", "sparse_clip", "--sparse-clip-base", "nope"))
 
 
-def test_non_finite_norm_skips_the_update(moe_lm_data):
-    argv = _train_args(moe_lm_data, "--moe-expert-count", "2", "--criterion", "moe_cross_entropy", "--optimizer",
+def test_non_finite_norm_skips_the_update(lm_data):
+    argv = _train_args(lm_data, "--moe-expert-count", "2", "--criterion", "moe_cross_entropy", "--optimizer",
                        "sparse_clip", "--sparse-clip-base", "adam", "--clip-norm", "1.0", "--lr", "1e-2",
                        "--max-tokens", "4096")
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))

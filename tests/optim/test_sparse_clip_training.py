@@ -16,27 +16,30 @@ import sys
 import pytest
 import torch
 
-from tests.cli_utils import run
+from tests.cli_utils import run_many
 
 MOE = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy", "--clip-norm", "0.5"]
 SPARSE = ["--optimizer", "sparse_clip", "--sparse-clip-base", "adam"]
 
 
+MODES = [["--memory-efficient-fp16"], ["--fp16", "--fp16-no-flatten-grads"], ["--amp"]]
+ONE_EXPERT = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
+              "--clip-norm", "0.3"]
+RUNS = [(*MOE, *SPARSE), *[(*MOE, *SPARSE, *mode) for mode in MODES], (*ONE_EXPERT, "--optimizer", "adam"),
+        (*ONE_EXPERT, *SPARSE)]
+
+
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory, moe_lm_data):
-    cache: dict = {}
-
-    def train(*flags: str) -> dict:
-        if flags not in cache:
-            out = tmp_path_factory.mktemp("run") / "out.pt"
-            run([sys.executable, "-m", "tests.moe.dist_harness", out, "1", moe_lm_data, *flags])
-            cache[flags] = torch.load(out)
-        return cache[flags]
-
-    return train
+def harness(tmp_path_factory, lm_data):
+    """Every run of this module, made a few at a time up front; ``harness(*flags)`` gives one."""
+    outs = [tmp_path_factory.mktemp("run") / "out.pt" for _ in RUNS]
+    run_many([[sys.executable, "-m", "tests.moe.dist_harness", out, "1", lm_data, *flags]
+              for out, flags in zip(outs, RUNS)])
+    cache = {flags: torch.load(out) for flags, out in zip(RUNS, outs)}
+    return lambda *flags: cache[flags]
 
 
-@pytest.mark.parametrize("mode", [["--memory-efficient-fp16"], ["--fp16", "--fp16-no-flatten-grads"], ["--amp"]])
+@pytest.mark.parametrize("mode", MODES)
 def test_precision_modes_take_the_norm_on_unscaled_gradients(harness, mode):
     ref = harness(*MOE, *SPARSE)
     got = harness(*MOE, *SPARSE, *mode)
@@ -49,10 +52,8 @@ def test_precision_modes_take_the_norm_on_unscaled_gradients(harness, mode):
 
 
 def test_one_expert_equals_vanilla_clip_norm(harness):
-    flags = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
-             "--clip-norm", "0.3"]
-    vanilla = harness(*flags, "--optimizer", "adam")
-    sparse = harness(*flags, *SPARSE)
+    vanilla = harness(*ONE_EXPERT, "--optimizer", "adam")
+    sparse = harness(*ONE_EXPERT, *SPARSE)
     assert sparse["norms"] == vanilla["norms"]
     assert sparse["norms"][0] > 0.3
     for name, p in vanilla["state"].items():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, tool
+from tests.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, run_many, tool
 from tests.reliability.bad_inputs import CASES, render_troubleshooting
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,20 +54,42 @@ def _snapshot(root: Path) -> dict:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input(case, ctx, tmp_path):
-    save = tmp_path / "save"
+@pytest.fixture(scope="module")
+def outcomes(ctx, tmp_path_factory) -> dict:
+    """Every case's process (run a few at a time), with the fixture files hashed before and
+    after all of them."""
+    saves = tmp_path_factory.mktemp("bad_saves")
     before = _snapshot(ctx["root"])
-    proc = run(case.command({**ctx, "save": str(save)}), check=False)
+    cmds = [case.command({**ctx, "save": str(saves / str(i))}) for i, case in enumerate(CASES)]
+    procs = run_many(cmds, check=False)
+    return {"procs": {case.name: (saves / str(i), proc) for i, (case, proc) in enumerate(zip(CASES, procs))},
+            "before": before, "after": _snapshot(ctx["root"])}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input(case, outcomes):
+    save, proc = outcomes["procs"][case.name]
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = last_error_line(proc)
     assert case.expect in line, line
     assert case.fix in line, line
     assert not save.exists() or not any(save.iterdir())
-    assert _snapshot(ctx["root"]) == before
+    assert outcomes["after"] == outcomes["before"]
     assert "this must never run" not in proc.stdout + proc.stderr
 
 
 def test_readme_troubleshooting_is_in_step_with_the_matrix():
     assert render_troubleshooting() in (REPO / "README.md").read_text()
+
+
+def test_dictionary_mismatch_on_resume_keeps_the_checkpoint_in_place(ctx, tmp_path):
+    """Resuming from the save directory's own checkpoint_last.pt with another dictionary."""
+    save = tmp_path / "ck"
+    shutil.copytree(Path(ctx["lm_ckpt"]).parent, save)
+    before = _snapshot(save)
+    proc = run([tool("fairseq-train"), ctx["other_lm_data"], "--user-dir", USER_DIR, "--arch", "ts_lm_tiny",
+                "--max-update", "4", "--save-dir", save, *LM_TRAIN], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "dict.txt" in last_error_line(proc)
+    assert _snapshot(save) == before

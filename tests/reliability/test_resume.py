@@ -4,6 +4,7 @@ restart are exactly those of an uninterrupted run (fp32 on CPU, one thread: bitw
 import json
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -48,8 +49,10 @@ def _losses(text):
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_sigkill_mid_epoch_then_restart_is_exact(recipe, lm_data, mt_data, tmp_path):
     data = mt_data if recipe == "ts_transformer" else lm_data
-    reference = run(_command(data, tmp_path / "ref", recipe))
-    _kill_after(_command(data, tmp_path / "killed", recipe), update=6)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the uninterrupted run alongside the killed one
+        pending = pool.submit(run, _command(data, tmp_path / "ref", recipe))
+        _kill_after(_command(data, tmp_path / "killed", recipe), update=6)
+        reference = pending.result()
     resumed = run(_command(data, tmp_path / "killed", recipe))
     out = resumed.stdout + resumed.stderr
     assert "Loaded checkpoint" in out and "@ 4 updates" in out
