@@ -2,8 +2,8 @@
 
 Times, on one core: a 1 GB read (``sum``), write (``fill_``) and copy; then the fc1
 forward GEMM of ``moe_layer.py`` at E experts of C = 2T/E rows, with E distinct weights
-(read from memory) and with one weight broadcast to all E (stays in cache), next to the
-dense GEMM on the same 2T rows. The distinct-minus-cached difference is the weight
+(read from memory) and with one weight for all E (stays in cache), as one ``bmm`` and
+as a loop of ``mm``, next to the dense GEMM on the same 2T rows. The distinct-minus-cached difference is the weight
 traffic; see "Why E = 256 stays above target" in ``RESULTS.md``.
 
 Usage: ``.venv/bin/python benchmarks/moe_weight_traffic.py [--experts 256] [--repeats 5]``
@@ -59,6 +59,8 @@ def main() -> None:
         (f"copy {gb:.2f} GB", lambda: other.copy_(weights)),
         (f"bmm, {e} distinct weights", lambda: torch.bmm(x, weights)),
         (f"bmm, one weight broadcast to {e}", lambda: torch.bmm(x, cached)),
+        (f"{e} x mm, distinct weights", lambda: [torch.mm(x[i], weights[i]) for i in range(e)]),
+        (f"{e} x mm, one weight", lambda: [torch.mm(x[i], w_dense) for i in range(e)]),
         (f"dense mm, {rows} rows", lambda: torch.mm(x_dense, w_dense)),
     ]:
         print(f"| {name} | {best_of(fn, args.repeats) * 1e3:.0f} |", flush=True)
