@@ -103,8 +103,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by rows (input features); the partial products are
-    all-reduced and the (replicated) bias is added once, after the all-reduce (at size 1 one
-    ``F.linear`` with the bias, which CPU BLAS folds into the GEMM)."""
+    all-reduced and the (replicated) bias is added once, after the all-reduce."""
 
     def __init__(
         self,
@@ -123,8 +122,6 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if get_tensor_parallel_world_size() == 1:
-            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
