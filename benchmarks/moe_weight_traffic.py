@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,16 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import load_average, now
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from benchmarks.moe_layer import best_times
 
 
 def main() -> None:
@@ -63,7 +53,7 @@ def main() -> None:
         (f"{e} x mm, one weight", lambda: [torch.mm(x[i], w_dense) for i in range(e)]),
         (f"dense mm, {rows} rows", lambda: torch.mm(x_dense, w_dense)),
     ]:
-        print(f"| {name} | {best_of(fn, args.repeats) * 1e3:.0f} |", flush=True)
+        print(f"| {name} | {best_times([fn], args.repeats)[0] * 1e3:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
