@@ -144,7 +144,8 @@ def test_index_dispatch_equals_one_hot_einsum():
     combine[r.token, r.expert, r.slot] = r.gate
     dispatch = (combine > 0).float()
     expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
-    ref = torch.einsum("tec,ecd->td", combine, layer.experts(expert_in))
+    expert_out = layer.experts(expert_in.reshape(-1, 8), [cap] * 4).view(4, cap, 8)
+    ref = torch.einsum("tec,ecd->td", combine, expert_out)
     assert torch.allclose(layer.dispatch_combine(tokens, r), ref, atol=1e-5)
 
 

@@ -1,2 +1,2 @@
 """Sparse mixture-of-experts (X-MoE, GShard/Switch, expert choice): routers, capacity,
-index-based dispatch, batched experts, expert parallelism and the balance loss."""
+index-based dispatch, grouped experts (no capacity padding), expert parallelism and the balance loss."""

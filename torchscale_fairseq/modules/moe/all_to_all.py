@@ -32,10 +32,8 @@ def exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], gr
     return _AllToAll.apply(x.reshape(-1), list(send_splits), list(recv_splits), group)
 
 
-def all_gather_int(value: int, group, device: torch.device) -> list[int]:
-    """Every rank's ``value`` (used to learn the other ranks' capacities)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    return [int(t.item()) for t in out]
+def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``counts`` (rows per expert), stacked: ``(world, len(counts))``."""
+    out = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, counts.contiguous(), group=group)
+    return torch.stack(out)

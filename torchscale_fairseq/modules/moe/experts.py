@@ -1,16 +1,23 @@
-"""The local experts as batched FFNs: ``(E_l, C, d) -> (E_l, C, d)`` with one ``bmm``
-per projection (``fc2(act(fc1 x))``, Sub-LN before ``fc2`` under Magneto).
+"""The local experts as one grouped FFN over rows sorted by expert: ``rows`` (N, d) holds
+``counts[0]`` rows for local expert 0, then ``counts[1]`` for expert 1, and so on; each
+group goes through its own ``fc2(act(fc1 x))`` (Sub-LN before ``fc2`` under Magneto).
 
-Each projection ``y = b + x W`` (``W``: ``(E_l, d_in, d_out)``) is a
-:class:`BatchedLinear` with backward ``dx = dy W^T``, ``dW = x^T dy``, ``db = sum_C dy``.
-``dW`` is as large as the expert weights (2 GB per step for 256 experts of 512 x 2048)
-and fairseq sets gradients to ``None`` every step, so without care it is a fresh
-allocation each step, and on CPU the first-touch page faults of that memory cost more
-than the GEMM that fills it (1.4-1.8 s per GB on the benchmark box, vs 1.1 s for the
-GEMM). :class:`GradBuffers` keeps the storage of the last weight gradient and hands it
-out again once nothing else references it (its storage use count is back to 1), so the
-gradient still reaches ``.grad`` through autograd (hooks, accumulation and
-``torch.autograd.grad`` behave as for any parameter) but the memory stays mapped.
+Only real assignments are computed: no capacity padding. With top-2 at capacity factor 1
+the padded ``(E, C, d)`` layout holds ``2T`` rows whatever the routing, and at E = 256
+about a tenth of them are empty slots (experts below their capacity); a grouped GEMM
+(one GEMM per expert, as Megatron-LM's ``SequentialMLP``) skips them.
+
+Each projection ``y_r = b_e + x_r W_e`` is a :class:`GroupedLinear` with backward
+``dx_r = dy_r W_e^T``, ``dW_e = sum_r x_r^T dy_r``, ``db_e = sum_r dy_r`` over the rows of
+expert ``e`` (zero for an expert without rows). ``dW`` is as large as the expert weights
+(2 GB per step for 256 experts of 512 x 2048) and fairseq sets gradients to ``None``
+every step, so without care it is a fresh allocation each step, and on CPU the
+first-touch page faults of that memory cost more than the GEMM that fills it (1.4-1.8 s
+per GB on the benchmark box, vs 1.1 s for the GEMM). :class:`GradBuffers` keeps the
+storage of the last weight gradient and hands it out again once nothing else references
+it (its storage use count is back to 1), so the gradient still reaches ``.grad`` through
+autograd (hooks, accumulation and ``torch.autograd.grad`` behave as for any parameter)
+but the memory stays mapped.
 
 Expert parameters carry ``expert = True``, ``expert_group`` (the ranks holding other
 experts, for the gradient norm) and ``expert_replica_group`` (the ranks holding a copy
@@ -55,27 +62,47 @@ class GradBuffers:
         self.storages = {}
 
 
-class BatchedLinear(torch.autograd.Function):
-    """``y = b + x W`` per expert: ``x`` (E, C, d_in), ``W`` (E, d_in, d_out), ``b`` (E, d_out)."""
+def _groups(counts: list[int]):
+    """``(expert, first row, end row)`` of every expert that has rows."""
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            yield expert, start, start + n
+        start += n
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``y_r = b_e + x_r W_e`` for the rows ``r`` of expert ``e``: ``x`` (N, d_in) grouped by
+    ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: GradBuffers,
-                name: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counts: list[int],
+                buffers: GradBuffers, name: str) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.buffers, ctx.name = buffers, name
-        return torch.baddbmm(bias.unsqueeze(1), x, weight)
+        ctx.counts, ctx.buffers, ctx.name = counts, buffers, name
+        out = x.new_empty(x.size(0), weight.size(2))
+        for e, lo, hi in _groups(counts):
+            torch.addmm(bias[e], x[lo:hi], weight[e], out=out[lo:hi])
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
-        dx = torch.bmm(grad, weight.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.bmm(x.transpose(1, 2), grad, out=ctx.buffers.empty(ctx.name, weight))
-        db = grad.sum(1) if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None
+        dx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        dw = ctx.buffers.empty(ctx.name, weight) if ctx.needs_input_grad[1] else None
+        db = grad.new_zeros(weight.size(0), weight.size(2)) if ctx.needs_input_grad[2] else None
+        if dw is not None and 0 in ctx.counts:
+            dw.zero_()
+        for e, lo, hi in _groups(ctx.counts):
+            if dx is not None:
+                torch.mm(grad[lo:hi], weight[e].t(), out=dx[lo:hi])
+            if dw is not None:
+                torch.mm(x[lo:hi].t(), grad[lo:hi], out=dw[e])
+            if db is not None:
+                torch.sum(grad[lo:hi], 0, out=db[e])
+        return dx, dw, db, None, None, None
 
 
 def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
@@ -84,7 +111,7 @@ def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group:
     param.expert_replica_group = replica_group
 
 
-class BatchedExperts(nn.Module):
+class GroupedExperts(nn.Module):
     def __init__(
         self,
         num_local: int,
@@ -122,13 +149,21 @@ class BatchedExperts(nn.Module):
         for p in self.parameters():
             mark_expert(p, expert_group, replica_group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: (E_l, C, d)."""
-        h = BatchedLinear.apply(x, self.fc1_weight.to(x.dtype), self.fc1_bias.to(x.dtype), self.grad_buffers, "fc1")
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` (N, d) grouped by local expert, ``counts[e]`` rows for expert ``e``."""
+        if len(counts) != self.fc1_weight.size(0) or sum(counts) != rows.size(0):
+            raise ValueError(f"counts {len(counts)} experts / {sum(counts)} rows do not match "
+                             f"{self.fc1_weight.size(0)} experts / {rows.size(0)} rows")
+        h = GroupedLinear.apply(rows, self.fc1_weight.to(rows.dtype), self.fc1_bias.to(rows.dtype), counts,
+                                self.grad_buffers, "fc1")
         h = activate(h, self.activation)
         if self.activation_dropout > 0 and self.training:
             h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
+            per_row = torch.tensor(counts, device=rows.device)
             h = F.layer_norm(h, h.shape[-1:], eps=self.layernorm_eps)
-            h = h * self.ln_weight.unsqueeze(1).to(h.dtype) + self.ln_bias.unsqueeze(1).to(h.dtype)
-        return BatchedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), self.grad_buffers, "fc2")
+            weight = self.ln_weight.to(h.dtype).repeat_interleave(per_row, dim=0, output_size=h.size(0))
+            bias = self.ln_bias.to(h.dtype).repeat_interleave(per_row, dim=0, output_size=h.size(0))
+            h = torch.addcmul(bias, h, weight)
+        return GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), counts,
+                                   self.grad_buffers, "fc2")

@@ -1,8 +1,8 @@
 """The MoE layer: a drop-in for :class:`FeedForwardNetwork` (``(B, T, C) -> (B, T, C)``).
 
-Non-padding tokens are routed (:mod:`.routers`, :mod:`.gating`), scattered by index into
-per-expert buffers ``(E, C, d)``, sent to the ranks holding their experts
-(:mod:`.all_to_all`), processed by the batched experts, sent back and combined:
+Non-padding tokens are routed (:mod:`.routers`, :mod:`.gating`), gathered by index into
+rows grouped by expert (no ``(E, C, d)`` capacity padding), sent to the ranks holding
+their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back and combined:
 ``y_t = sum_a gate_a * expert_{e_a}(x_t)``. Dropped (overflowed) and padding tokens
 get a zero output, so the residual carries them. After each forward the layer keeps
 ``balance_loss`` (a scalar tensor, see :mod:`.balance`) and ``stats`` for the criterion.
@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.modules.moe.all_to_all import all_gather_int, exchange
+from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 from torchscale_fairseq.modules.moe.balance import (
     RoutingStats,
     balance_loss,
     routing_stats,
 )
 from torchscale_fairseq.modules.moe.config import MoEConfig
-from torchscale_fairseq.modules.moe.experts import BatchedExperts
+from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
     Routing,
     expert_choice_routing,
@@ -66,7 +66,7 @@ class MoELayer(nn.Module):
         self.tag = tag
         self.parallel = parallel or get_expert_parallel(cfg.expert_count)
         self.router = build_router(cfg.router, embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
-        self.experts = BatchedExperts(
+        self.experts = GroupedExperts(
             self.parallel.local_experts, self.parallel.first_expert, embed_dim, ffn_dim, activation,
             activation_dropout, subln, gain, layernorm_eps,
         )
@@ -108,27 +108,43 @@ class MoELayer(nn.Module):
         return out.view(shape)
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Scatter to ``(E, C, d)`` by index, run the experts, gather and weight."""
-        num_experts, dim = self.cfg.expert_count, tokens.size(-1)
-        capacity = int(routing.slot.max()) + 1 if routing.slot.numel() > 0 else 0
-        index = routing.expert * capacity + routing.slot
-        routed = tokens.index_select(0, routing.token)
-        buffer = tokens.new_zeros(num_experts * capacity, dim).index_copy(0, index, routed)
-        out = self.run_experts(buffer.view(num_experts, capacity, dim))
-        weighted = out.reshape(-1, dim).index_select(0, index) * routing.gate.to(out.dtype).unsqueeze(1)
-        return tokens.new_zeros(tokens.shape).index_add(0, routing.token, weighted)
+        """Gather the routed tokens grouped by expert, run the experts, weight and add back."""
+        expert, order = torch.sort(routing.expert, stable=True)
+        token = routing.token[order]
+        counts = torch.bincount(expert, minlength=self.cfg.expert_count)
+        out = self.run_experts(tokens.index_select(0, token), counts)
+        weighted = out * routing.gate[order].to(out.dtype).unsqueeze(1)
+        return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
-    def run_experts(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``(E, C, d)`` through the experts, wherever they live."""
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` grouped by expert (``counts[e]`` for expert ``e``) through the experts,
+        wherever they live. Across ranks only real rows travel: rank ``r`` sends rank ``q``
+        the rows of ``q``'s experts, receives them grouped by (sender, expert) and regroups
+        them by (expert, sender) for the experts."""
         par = self.parallel
         if par.group is None:
-            return self.experts(buffer)
-        num_local, capacity, dim = par.local_experts, buffer.size(1), buffer.size(2)
-        caps = all_gather_int(capacity, par.group, buffer.device)
-        send = [num_local * capacity * dim] * par.world
-        recv = [num_local * c * dim for c in caps]
-        arrived = exchange(buffer, send, recv, par.group).split(recv)
-        grouped = torch.cat([a.view(num_local, c, dim) for a, c in zip(arrived, caps)], dim=1)
-        processed = self.experts(grouped).split(caps, dim=1)
-        back = exchange(torch.cat([p.reshape(-1) for p in processed]), recv, send, par.group)
-        return back.view(par.world * num_local, capacity, dim)
+            return self.experts(rows, counts.tolist())
+        dim = rows.size(1)
+        table = all_gather_counts(counts, par.group).view(par.world, par.world, par.local_experts)
+        send = (table[par.rank].sum(1) * dim).tolist()
+        mine = table[:, par.rank]
+        recv = (mine.sum(1) * dim).tolist()
+        arrived = exchange(rows, send, recv, par.group).view(-1, dim)
+        order = sender_to_expert_order(mine)
+        out = self.experts(arrived.index_select(0, order), mine.sum(0).tolist())
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return exchange(out.index_select(0, inverse), recv, send, par.group).view(-1, dim)
+
+
+def sender_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
+    """Row order that turns rows grouped by (sender, expert), ``counts[s, e]`` rows each, into
+    rows grouped by (expert, sender)."""
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts)
+    by_expert = counts.t().reshape(-1)
+    first = starts.t().reshape(-1)
+    total = int(by_expert.sum())
+    within = torch.arange(total, device=counts.device) - torch.repeat_interleave(
+        torch.cumsum(by_expert, 0) - by_expert, by_expert, output_size=total)
+    return torch.repeat_interleave(first, by_expert, output_size=total) + within
