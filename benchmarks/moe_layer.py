@@ -9,12 +9,10 @@ backward, for the dense FFN, the MoE layer and the reference alike (``set_to_non
 is what fairseq's optimizers do every update, so gradients are new tensors each step
 unless a module reuses memory, as the experts do, see
 :mod:`torchscale_fairseq.modules.moe.experts`). Each time is the best of ``--repeats``
-runs after one warm-up run. The dense FFN is timed again in every E round, its runs
-interleaved with the MoE layer's (so every round sees the same machine load), and the
-ratios use one dense reference, the best of all its runs: it is the same module on the
-same tokens in every round, and its per-round best moves by up to 15% with the heap
-state the interleaved MoE layer leaves (1691 ms next to E = 16, 1445 ms next to E = 256
-in one idle run), which would otherwise show up as growth of the MoE layer.
+runs after one warm-up run, and the runs of the dense FFN and of the MoE layer at every
+E are interleaved in one loop, so that all of them see the same machine: on the shared
+2-core VM, speed drifts by 10-15% over minutes, and timing one E after another made the
+drift look like growth with E (or hid it).
 
 Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 3] [--threads 1]``
 """
@@ -91,25 +89,20 @@ def main() -> None:
     dense = FeedForwardNetwork(args.dim, args.ffn)
     print(f"# {now()} | load {load_average()} | threads {args.threads} | T={args.tokens} d={args.dim} "
           f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | best of {args.repeats}")
-    rounds = []
-    for e in args.experts:
-        cfg = MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all")
-        layer = MoELayer(cfg, args.dim, args.ffn)
-        t_dense, t_moe = best_times([fwd_bwd(dense, x), fwd_bwd(layer, x)], args.repeats)
-        t_ref = best_times([one_hot_step(layer, x)], max(1, args.repeats - 1))[0] if e <= args.skip_one_hot_above else None
-        rounds.append((e, t_dense, t_moe, t_ref))
-        del layer
-    dense_best = min(r[1] for r in rounds)
-    print(f"dense FFN reference: {dense_best * 1e3:.0f} ms, the best of its runs in all rounds (the same module "
-          "on the same tokens in every round; its per-round best is in the second column)")
-    print("| E | dense fwd+bwd this round (ms) | MoE fwd+bwd (ms) | ratio to 2x dense | one-hot einsum (ms) | one-hot ratio |")
-    print("|---|---|---|---|---|---|")
-    for e, t_dense, t_moe, t_ref in rounds:
-        ref = "skipped | -" if t_ref is None else f"{t_ref * 1e3:.0f} | {t_ref / (2 * dense_best):.2f}"
-        print(f"| {e} | {t_dense * 1e3:.0f} | {t_moe * 1e3:.0f} | {t_moe / (2 * dense_best):.2f} | {ref} |")
-    first, last = rounds[0], rounds[-1]
-    print(f"growth E={first[0]} -> E={last[0]}: {100 * (last[2] / first[2] - 1):+.1f}% "
-          f"(ratio against each round's own dense best: {100 * (last[2] / last[1] / (first[2] / first[1]) - 1):+.1f}%)")
+    layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
+                          args.dim, args.ffn) for e in args.experts}
+    t_dense, *t_moe = best_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
+    print(f"dense FFN: {t_dense * 1e3:.0f} ms; its runs and every E's runs interleaved in one loop")
+    print("| E | MoE fwd+bwd (ms) | ratio to 2x dense | one-hot einsum (ms) | one-hot ratio |")
+    print("|---|---|---|---|---|")
+    for (e, layer), t in zip(layers.items(), t_moe):
+        if e <= args.skip_one_hot_above:
+            t_ref = best_times([one_hot_step(layer, x)], max(1, args.repeats - 1))[0]
+            ref = f"{t_ref * 1e3:.0f} | {t_ref / (2 * t_dense):.2f}"
+        else:
+            ref = "skipped | -"
+        print(f"| {e} | {t * 1e3:.0f} | {t / (2 * t_dense):.2f} | {ref} |", flush=True)
+    print(f"growth E={args.experts[0]} -> E={args.experts[-1]}: {100 * (t_moe[-1] / t_moe[0] - 1):+.1f}%")
 
 
 if __name__ == "__main__":
