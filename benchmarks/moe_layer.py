@@ -8,18 +8,20 @@ Method: every step is ``zero_grad(set_to_none=True)`` then forward, ``sum()`` an
 backward, for the dense FFN, the MoE layer and the reference alike (``set_to_none``
 is what fairseq's optimizers do every update, so gradients are new tensors each step
 unless a module reuses memory, as the experts do, see
-:mod:`torchscale_fairseq.modules.moe.experts`). Each time is the best of ``--repeats``
-runs after one warm-up run, and the runs of the dense FFN and of the MoE layer at every
-E are interleaved in one loop, so that all of them see the same machine: on the shared
-2-core VM, speed drifts by 10-15% over minutes, and timing one E after another made the
-drift look like growth with E (or hid it).
+:mod:`torchscale_fairseq.modules.moe.experts`). The runs of the dense FFN and of the MoE
+layer at every E are interleaved in one loop (order reversed every other round), so that
+all of them see the same machine: on the shared 2-core VM, speed drifts by 10-15% over
+minutes and single steps vary by +-10%, and timing one E after another made the drift
+look like growth with E (or hid it). Reported: the best and the median of ``--repeats``
+runs after one warm-up; the one-hot reference is the best of up to 3.
 
-Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 3] [--threads 1]``
+Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,17 +36,24 @@ from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
 
-def best_times(fns: list, repeats: int) -> list[float]:
-    """Best of ``repeats`` runs of each of ``fns`` (after one warm-up), runs interleaved."""
+def interleaved_times(fns: list, repeats: int) -> list[list[float]]:
+    """``repeats`` timed runs of each of ``fns`` after one warm-up run each, interleaved, in
+    reverse order every other round (so no function always runs after the same one)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
             start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return [min(t) for t in times]
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
+def best_times(fns: list, repeats: int) -> list[float]:
+    """Best of ``repeats`` interleaved runs of each of ``fns``."""
+    return [min(t) for t in interleaved_times(fns, repeats)]
 
 
 def fwd_bwd(module, x: torch.Tensor):
@@ -78,7 +87,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-one-hot-above", type=int, default=256, help="skip the einsum reference above this E")
     args = parser.parse_args()
@@ -88,21 +97,26 @@ def main() -> None:
         torch.randn(1, args.tokens, args.dim, requires_grad=True)
     dense = FeedForwardNetwork(args.dim, args.ffn)
     print(f"# {now()} | load {load_average()} | threads {args.threads} | T={args.tokens} d={args.dim} "
-          f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | best of {args.repeats}")
+          f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | {args.repeats} interleaved runs")
     layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
                           args.dim, args.ffn) for e in args.experts}
-    t_dense, *t_moe = best_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
-    print(f"dense FFN: {t_dense * 1e3:.0f} ms; its runs and every E's runs interleaved in one loop")
-    print("| E | MoE fwd+bwd (ms) | ratio to 2x dense | one-hot einsum (ms) | one-hot ratio |")
-    print("|---|---|---|---|---|")
-    for (e, layer), t in zip(layers.items(), t_moe):
+    samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
+    best = [min(t) for t in samples]
+    median = [statistics.median(t) for t in samples]
+    print(f"dense FFN: best {best[0] * 1e3:.0f} ms, median {median[0] * 1e3:.0f} ms")
+    print("| E | MoE best (ms) | MoE median (ms) | ratio to 2x dense (best) | ratio (median) | "
+          "one-hot einsum (ms) | one-hot ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for i, (e, layer) in enumerate(layers.items(), start=1):
         if e <= args.skip_one_hot_above:
-            t_ref = best_times([one_hot_step(layer, x)], max(1, args.repeats - 1))[0]
-            ref = f"{t_ref * 1e3:.0f} | {t_ref / (2 * t_dense):.2f}"
+            t_ref = best_times([one_hot_step(layer, x)], max(1, min(3, args.repeats - 1)))[0]
+            ref = f"{t_ref * 1e3:.0f} | {t_ref / (2 * best[0]):.2f}"
         else:
             ref = "skipped | -"
-        print(f"| {e} | {t * 1e3:.0f} | {t / (2 * t_dense):.2f} | {ref} |", flush=True)
-    print(f"growth E={args.experts[0]} -> E={args.experts[-1]}: {100 * (t_moe[-1] / t_moe[0] - 1):+.1f}%")
+        print(f"| {e} | {best[i] * 1e3:.0f} | {median[i] * 1e3:.0f} | {best[i] / (2 * best[0]):.2f} | "
+              f"{median[i] / (2 * median[0]):.2f} | {ref} |", flush=True)
+    print(f"growth E={args.experts[0]} -> E={args.experts[-1]}: {100 * (best[-1] / best[1] - 1):+.1f}% (best), "
+          f"{100 * (median[-1] / median[1] - 1):+.1f}% (median)")
 
 
 if __name__ == "__main__":
