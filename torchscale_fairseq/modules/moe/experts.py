@@ -105,6 +105,33 @@ class GroupedLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+class GroupedAffine(torch.autograd.Function):
+    """``y_r = x_r * w_e + b_e`` for the rows ``r`` of expert ``e`` (the Sub-LN affine), without
+    materialising per-row copies of ``w`` and ``b``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        out = x.new_empty(x.shape)
+        for e, lo, hi in _groups(counts):
+            torch.addcmul(bias[e], x[lo:hi], weight[e], out=out[lo:hi])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = grad.new_empty(grad.shape)
+        dw = grad.new_zeros(weight.shape)
+        db = grad.new_zeros(weight.shape)
+        for e, lo, hi in _groups(ctx.counts):
+            torch.mul(grad[lo:hi], weight[e], out=dx[lo:hi])
+            torch.sum(grad[lo:hi] * x[lo:hi], 0, out=dw[e])
+            torch.sum(grad[lo:hi], 0, out=db[e])
+        return dx, dw, db, None
+
+
 def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
     param.expert = True
     param.expert_group = expert_group
@@ -160,10 +187,7 @@ class GroupedExperts(nn.Module):
         if self.activation_dropout > 0 and self.training:
             h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
-            per_row = torch.tensor(counts, device=rows.device)
             h = F.layer_norm(h, h.shape[-1:], eps=self.layernorm_eps)
-            weight = self.ln_weight.to(h.dtype).repeat_interleave(per_row, dim=0, output_size=h.size(0))
-            bias = self.ln_bias.to(h.dtype).repeat_interleave(per_row, dim=0, output_size=h.size(0))
-            h = torch.addcmul(bias, h, weight)
+            h = GroupedAffine.apply(h, self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype), counts)
         return GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), counts,
                                    self.grad_buffers, "fc2")
