@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Magneto/DeepNorm backbones, X-MoE, SparseClip and tensor model parallelism as a fairseq plugin",
     packages=find_packages(include=["torchscale_fairseq", "torchscale_fairseq.*"]),
-    python_requires=">=3.8",
+    package_data={"torchscale_fairseq.interop": ["hf_modeling/*.py"]},
+    python_requires=">=3.10",
     install_requires=[
         "torch>=2.0",
         "fairseq-fixed==0.12.3.1; python_version >= '3.11'",
@@ -14,10 +15,16 @@ setup(
         "tiktoken",
         "sacrebleu",
     ],
-    extras_require={"test": ["pytest", "ruff"], "plots": ["matplotlib"]},
+    extras_require={
+        "test": ["pytest", "ruff"],
+        "plots": ["matplotlib"],
+        "export": ["transformers>=5.0", "safetensors", "tokenizers"],
+    },
     entry_points={"console_scripts": [
         "ts-reshard = torchscale_fairseq.cli.reshard:main",
         "ts-consolidate-experts = torchscale_fairseq.cli.consolidate_experts:main",
         "ts-plot-logs = torchscale_fairseq.cli.plot_logs:main",
+        "ts-export-hf = torchscale_fairseq.cli.export_hf:main",
+        "ts-import-torchscale = torchscale_fairseq.cli.import_torchscale:main",
     ]},
 )

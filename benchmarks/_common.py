@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = REPO / "torchscale_fairseq"
@@ -31,6 +32,35 @@ def tool(name: str) -> str:
 
 def now() -> str:
     return subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
+
+
+PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def device_flags(device: str) -> List[str]:
+    """fairseq flags that select ``device`` (``cpu`` or ``cuda``)."""
+    if device not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {device}: use cpu or cuda")
+    return ["--cpu"] if device == "cpu" else []
+
+
+def decoder_dim_flags(dims: str) -> List[str]:
+    """fairseq-train flags of a decoder of ``dims`` = ``"layers width heads ffn_width"``."""
+    layers, dim, heads, ffn = dims.split()
+    return ["--decoder-layers", layers, "--decoder-embed-dim", dim, "--decoder-attention-heads", heads,
+            "--decoder-ffn-embed-dim", ffn]
+
+
+def device_line(device: str) -> str:
+    """What a result was measured on: GPU, driver, torch and CUDA versions (or the CPU)."""
+    if device == "cuda":
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        driver = smi.stdout.strip() or "?"
+        return (f"{torch.cuda.get_device_name(0)}, driver {driver}, torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}")
+    return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def load_average() -> str:

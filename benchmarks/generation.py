@@ -11,6 +11,7 @@ round and the median reported. The speed is fairseq-generate's own figure (its t
 the model's inference step only).
 
     .venv/bin/python benchmarks/generation.py
+    .venv/bin/python benchmarks/generation.py --device cuda --test-pairs 2000 --batch-size 200   # GPU
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from _common import (
     USER_DIR,
+    device_flags,
+    device_line,
     load_average,
     now,
     preprocess_translation,
@@ -55,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=20, help="L: every hypothesis has exactly L tokens + EOS")
     p.add_argument("--batch-size", type=int, default=25, help="sentences per decoding batch")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="training and decoding")
     p.add_argument("--concurrent", action="store_true", help="decode with ours and stock at the same time per round")
     p.add_argument("--workdir", help="keep data, checkpoints and logs here (default: a temp dir, removed)")
     return p.parse_args(argv)
@@ -63,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_cmd(data: Path, name: str, save_dir: Path, args) -> list:
     return [
         tool("fairseq-train"), str(data), "--user-dir", str(USER_DIR), "--task", "translation",
-        *MODELS[name], "--dropout", "0.1", "--cpu", "--optimizer", "adam", "--lr", "5e-4",
+        *MODELS[name], "--dropout", "0.1", *device_flags(args.device), "--optimizer", "adam", "--lr", "5e-4",
         "--max-tokens", str(args.train_max_tokens), "--max-update", str(args.train_updates),
         "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
         "--log-format", "json", "--log-interval", "1", "--seed", "1",
@@ -73,7 +77,7 @@ def train_cmd(data: Path, name: str, save_dir: Path, args) -> list:
 def generate_cmd(data: Path, checkpoint: Path, args) -> list:
     return [
         tool("fairseq-generate"), str(data), "--user-dir", str(USER_DIR), "--task", "translation",
-        "--path", str(checkpoint), "--gen-subset", "test", "--cpu", "--beam", str(args.beam),
+        "--path", str(checkpoint), "--gen-subset", "test", *device_flags(args.device), "--beam", str(args.beam),
         "--batch-size", str(args.batch_size), "--min-len", str(args.length), "--max-len-a", "0",
         "--max-len-b", str(args.length), "--quiet",
     ]
@@ -101,6 +105,7 @@ def main(argv=None) -> int:
             data = preprocess_translation(work / "raw", work / "data-bin")
             source = f"synthetic src-tgt pair, {args.train_pairs} train / {args.test_pairs} test sentences"
         print(f"date: {now()}")
+        print(f"device: {device_line(args.device)}")
         print(f"data: {source}")
         checkpoints = {}
         for name in MODELS:

@@ -15,7 +15,10 @@ minutes and single steps vary by +-10%, and timing one E after another made the 
 look like growth with E (or hid it). Reported: the best and the median of ``--repeats``
 runs after one warm-up; the one-hot reference is the best of up to 3.
 
-Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``
+Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``;
+on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``).
+The experts run one ``addmm`` per expert (``GroupedLinear``) on every device: PyTorch's
+``torch._grouped_mm`` is not used.
 """
 
 from __future__ import annotations
@@ -30,23 +33,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import load_average, now
+from benchmarks._common import DTYPES, device_line, load_average, now
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def interleaved_times(fns: list, repeats: int) -> list[list[float]]:
     """``repeats`` timed runs of each of ``fns`` after one warm-up run each, interleaved, in
-    reverse order every other round (so no function always runs after the same one)."""
+    reverse order every other round (so no function always runs after the same one); GPU
+    work is waited for before and after each run."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
     for round_ in range(repeats):
         order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
         for i in order:
+            _synchronize()
             start = time.perf_counter()
             fns[i]()
+            _synchronize()
             times[i].append(time.perf_counter() - start)
     return times
 
@@ -57,9 +68,11 @@ def best_times(fns: list, repeats: int) -> list[float]:
 
 
 def fwd_bwd(module, x: torch.Tensor):
+    """One forward and backward of a dense FFN or an MoE layer (whose output comes with its aux)."""
     def step():
         module.zero_grad(set_to_none=True)
-        module(x).sum().backward()
+        out = module(x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
     return step
 
 
@@ -70,7 +83,7 @@ def one_hot_step(layer: MoELayer, x: torch.Tensor):
         tokens = x.reshape(-1, x.size(-1))
         _, r = layer.route(tokens)
         cap = int(r.slot.max()) + 1
-        combine = torch.zeros(tokens.size(0), layer.cfg.expert_count, cap)
+        combine = torch.zeros(tokens.size(0), layer.cfg.expert_count, cap, device=tokens.device, dtype=tokens.dtype)
         combine = combine.index_put((r.token, r.expert, r.slot), r.gate)
         dispatch = (combine > 0).to(tokens.dtype)
         expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
@@ -89,17 +102,21 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--skip-one-hot-above", type=int, default=256, help="skip the einsum reference above this E")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    x = torch.randn(args.tokens // 512, 512, args.dim, requires_grad=True) if args.tokens % 512 == 0 else \
-        torch.randn(1, args.tokens, args.dim, requires_grad=True)
-    dense = FeedForwardNetwork(args.dim, args.ffn)
-    print(f"# {now()} | load {load_average()} | threads {args.threads} | T={args.tokens} d={args.dim} "
+    shape = (args.tokens // 512, 512, args.dim) if args.tokens % 512 == 0 else (1, args.tokens, args.dim)
+    place = dict(device=args.device, dtype=DTYPES[args.dtype])
+    x = torch.randn(*shape, **place, requires_grad=True)
+    dense = FeedForwardNetwork(args.dim, args.ffn).to(**place)
+    print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
+          f"T={args.tokens} d={args.dim} "
           f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | {args.repeats} interleaved runs")
     layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
-                          args.dim, args.ffn) for e in args.experts}
+                          args.dim, args.ffn).to(**place) for e in args.experts}
     samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
     best = [min(t) for t in samples]
     median = [statistics.median(t) for t in samples]

@@ -26,11 +26,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.model_parallel.collectives import record_collectives
     from torchscale_fairseq.architecture.config import StackConfig
     from torchscale_fairseq.architecture.layer import TransformerLayer
     from torchscale_fairseq.model_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from torchscale_fairseq.model_parallel.mappings import record_collectives
-    from torchscale_fairseq.model_parallel.process_groups import initialize_model_parallel
+    from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, initialize_model_parallel
     from torchscale_fairseq.modules.backbone import build_backbone
 
     torch.set_num_threads(1)
@@ -40,16 +40,18 @@ def worker(args: argparse.Namespace) -> None:
     rows = {}
     for backbone in ("magneto", "preln"):
         cfg = StackConfig(embed_dim=h, ffn_dim=args.ffn, layers=12, attention_heads=args.heads,
-                          backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=s, dropout=0.0)
+                          backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=s, dropout=0.0,
+                          tp_group=get_tensor_parallel_group())
         torch.manual_seed(0)
         layer = TransformerLayer(cfg)
         x = torch.randn(b, s, h, requires_grad=True)
         with record_collectives() as log:
-            layer(x, causal=True).sum().backward()
+            layer(x, causal=True)[0].sum().backward()
         rows[backbone] = log
     logits = torch.randn(b * s, 512, requires_grad=True)
     with record_collectives() as log:
-        vocab_parallel_cross_entropy(logits, torch.randint(0, 1000, (b * s,)), 1000).nll.sum().backward()
+        vocab_parallel_cross_entropy(logits, torch.randint(0, 1000, (b * s,)), 1000,
+                                     get_tensor_parallel_group()).nll.sum().backward()
     rows["loss"] = log
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(rows))
@@ -58,8 +60,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def table(rows: dict, b: int, s: int, h: int) -> str:
-    def total(log, ops, direction):
-        return [n for op, d, n in log if op in ops and d == direction]
+    def total(log, numel, direction):
+        return [n for op, d, n in log if op == "all_reduce" and n == numel and d == direction]
 
     lines = [
         f"b={b}, s={s}, h={h}, N=2, fp32 payload bytes per rank",
@@ -69,15 +71,13 @@ def table(rows: dict, b: int, s: int, h: int) -> str:
     ]
     for backbone in ("preln", "magneto"):
         log = rows[backbone]
-        for direction, ops, formula, count in (
-            ("forward", ("g",), "2 x bsh", 2), ("backward", ("f",), "2 x bsh", 2),
-        ):
-            sizes = total(log, ops, direction)
+        for direction, formula, count in (("forward", "2 x bsh", 2), ("backward", "2 x bsh", 2)):
+            sizes = total(log, b * s * h, direction)
             lines.append(f"| {backbone} layer, large | {direction} | {len(sizes)} | {4 * sum(sizes):,} | "
                          f"{formula} | {4 * count * b * s * h:,} |")
         stats = 4 if backbone == "magneto" else 0
         for direction in ("forward", "backward"):
-            sizes = total(log, ("stats",), direction)
+            sizes = total(log, b * s, direction)
             lines.append(f"| {backbone} layer, LN statistics | {direction} | {len(sizes)} | {4 * sum(sizes):,} | "
                          f"{stats} x bs | {4 * stats * b * s:,} |")
     sizes = [n for _, _, n in rows["loss"]]

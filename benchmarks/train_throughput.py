@@ -9,6 +9,7 @@ throughput is the mean ``wps`` of its JSON ``train_inner`` records after the fir
 
     .venv/bin/python benchmarks/train_throughput.py            # synthetic Zipf corpus
     .venv/bin/python benchmarks/train_throughput.py --data data-bin/enwiki_gpt2
+    .venv/bin/python benchmarks/train_throughput.py --device cuda --precision bf16 --ts-compile  # GPU
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import tempfile
 from pathlib import Path
 
 from _common import (
+    PRECISION_FLAGS,
     REPO,
     USER_DIR,
+    decoder_dim_flags,
+    device_flags,
+    device_line,
     dict_size,
     load_average,
     now,
@@ -33,12 +38,14 @@ from _common import (
     write_lm_corpus,
 )
 
-DIMS = ["--decoder-layers", "6", "--decoder-embed-dim", "512", "--decoder-attention-heads", "8",
-        "--decoder-ffn-embed-dim", "2048"]
-MODELS = {
-    "ours": ["--arch", "ts_lm", *DIMS, "--backbone", "magneto"],
-    "stock": ["--arch", "transformer_lm", *DIMS],
-}
+
+def model_args(name: str, args) -> list:
+    """``ours`` (``ts_lm``, Magneto, ``--ts-compile`` if asked) or ``stock`` (``transformer_lm``), same dims."""
+    dims = decoder_dim_flags(args.dims)
+    if name == "stock":
+        return ["--arch", "transformer_lm", *dims]
+    return ["--arch", "ts_lm", *dims, "--backbone", "magneto", *(["--ts-compile"] if args.ts_compile else [])]
+
 DEFAULT_DATA = REPO / "data-bin" / "enwiki_gpt2"
 TARGET = 1.15
 
@@ -56,6 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrent", action="store_true", help="run ours and stock at the same time in each round")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--extra", default="", help="extra fairseq-train flags for both models (space separated)")
+    p.add_argument("--dims", default="6 512 8 2048", help="layers, width, heads, FFN width (both models)")
+    p.add_argument("--tokens-per-sample", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=list(PRECISION_FLAGS), help="both models")
+    p.add_argument("--ts-compile", action="store_true", help="ours with --ts-compile (torch.compile per layer)")
+    p.add_argument("--target", type=float, default=TARGET, help="ratio ours/stock to meet")
     p.add_argument("--workdir", help="keep data and logs here (default: a temp dir, removed)")
     return p.parse_args(argv)
 
@@ -63,9 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_cmd(data: Path, model_args, args) -> list:
     return [
         tool("fairseq-train"), str(data), "--user-dir", str(USER_DIR),
-        "--task", "language_modeling", "--tokens-per-sample", "256", "--sample-break-mode", "none",
-        *model_args, "--share-decoder-input-output-embed", "--dropout", "0.1",
-        "--cpu", "--optimizer", "adam", "--lr", "5e-4", "--batch-size", "8",
+        "--task", "language_modeling", "--tokens-per-sample", str(args.tokens_per_sample),
+        "--sample-break-mode", "none", *model_args, "--share-decoder-input-output-embed", "--dropout", "0.1",
+        *device_flags(args.device), *PRECISION_FLAGS[args.precision], "--optimizer", "adam", "--lr", "5e-4",
+        "--batch-size", str(args.batch_size),
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval", str(args.log_interval),
         "--disable-validation", "--no-save", "--seed", str(args.seed), *args.extra.split(),
     ]
@@ -84,7 +99,7 @@ def measure(data: Path, names, args, logdir: Path, round_no: int) -> dict:
     groups = [list(names)] if args.concurrent else [[n] for n in names]
     wps = {}
     for group in groups:
-        outs = run_together([train_cmd(data, MODELS[n], args) for n in group],
+        outs = run_together([train_cmd(data, model_args(n, args), args) for n in group],
                             [logdir / f"train_{n}_{round_no}.log" for n in group])
         for n, out in zip(group, outs):
             wps[n] = mean_wps(n, out, args.skip_logs)
@@ -107,9 +122,10 @@ def main(argv=None) -> int:
             source = str(data)
         vocab = dict_size(data)
         print(f"date: {now()}")
+        print(f"device: {device_line(args.device)}")
         print(f"data: {source} (dictionary {vocab} entries + 4 specials)")
-        print("command (ours): " + " ".join(train_cmd(Path("DATA"), MODELS["ours"], args)))
-        print("command (stock): " + " ".join(train_cmd(Path("DATA"), MODELS["stock"], args)))
+        print("command (ours): " + " ".join(train_cmd(Path("DATA"), model_args("ours", args), args)))
+        print("command (stock): " + " ".join(train_cmd(Path("DATA"), model_args("stock", args), args)))
         print("runs: " + ("ours and stock concurrently in each round" if args.concurrent else "alternating"))
         results = {"ours": [], "stock": []}
         for r in range(args.rounds):
@@ -120,7 +136,7 @@ def main(argv=None) -> int:
                 results[name].append(wps[name])
                 print(f"round {r + 1} {name:5s}: {wps[name]:8.1f} wps  (load avg before round: {load})", flush=True)
             print(f"round {r + 1} ratio ours/stock: {results['ours'][-1] / results['stock'][-1]:.3f}", flush=True)
-        report_ratios(results, "wps", ".1f", TARGET)
+        report_ratios(results, "wps", ".1f", args.target)
         print(f"finished: {now()}  (logs: {work if args.workdir else 'temp dir, removed'})")
     return 0
 

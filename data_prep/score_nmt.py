@@ -76,6 +76,14 @@ def score(hypotheses: list[str], references: list[str]) -> dict[str, str | float
     }
 
 
+def report(result: dict[str, str | float], scores_out: str | None) -> None:
+    """Print ``key value`` lines of ``result`` (and write them to ``scores_out`` when given)."""
+    text = "".join(f"{key} {value}\n" for key, value in result.items())
+    if scores_out:
+        Path(scores_out).write_text(text, encoding="utf-8")
+    print(text, end="")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, str | float]:
     """Entry point: decode, score, print and optionally write the results."""
     args = parse_args(argv)
@@ -88,10 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str | float]:
     result = score(hypotheses, references)
     if args.hypothesis_out:
         Path(args.hypothesis_out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    text = "".join(f"{key} {value}\n" for key, value in result.items())
-    if args.scores_out:
-        Path(args.scores_out).write_text(text, encoding="utf-8")
-    print(text, end="")
+    report(result, args.scores_out)
     return result
 
 

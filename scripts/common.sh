@@ -6,7 +6,10 @@
 #
 # Launch: NNODES x NPROC_PER_NODE processes through torchrun (NODE_RANK, MASTER_ADDR, MASTER_PORT)
 # when more than one; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
-# environment (start the script with srun, one task per GPU). MP = tensor-parallel size.
+# environment (start the script with srun, one task per GPU). MP = tensor-parallel size (NPROC_PER_NODE
+# defaults to MP); at MP > 1 fairseq writes one checkpoint part per tensor-parallel rank
+# (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over data-parallel ranks),
+# and evaluation runs at the same MP (expert shards consolidated first).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,14 +41,16 @@ ts_int() {
   [[ "${!name}" =~ ^[0-9]+$ ]] || die "$name=${!name} is not a non-negative integer"
 }
 
+MP="${MP:-1}"
+ts_int MP
+[ "$MP" -ge 1 ] || die "MP=$MP: the tensor-parallel size is at least 1"
 NNODES="${NNODES:-1}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-$MP}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-MP="${MP:-1}"
 SLURM="${SLURM:-0}"
-for v in NNODES NPROC_PER_NODE NODE_RANK MASTER_PORT MP; do ts_int "$v"; done
+for v in NNODES NPROC_PER_NODE NODE_RANK MASTER_PORT; do ts_int "$v"; done
 WORLD=$((NNODES * NPROC_PER_NODE))
 [ "$WORLD" -ge 1 ] || die "NNODES x NPROC_PER_NODE must be at least 1"
 [ $((WORLD % MP)) = 0 ] || die "MP=$MP does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
@@ -99,8 +104,17 @@ ts_train() {
   ts_launch fairseq-train "$@" --save-dir "$save" --log-format json --log-interval "$LOG_INTERVAL" \
     --no-epoch-checkpoints --required-batch-size-multiple 1 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 \
     | tee -a "$save/train.log"
-  [ -f "$save/checkpoint_last.pt" ] || [ -f "$save/checkpoint_last-shard0.pt" ] \
+  ts_checkpoint_files "$save" checkpoint_last >/dev/null \
     || die "training wrote no checkpoint in $save; see $save/train.log"
+}
+
+# ts_checkpoint_files SAVE_DIR NAME: the files of checkpoint NAME in every layout fairseq and the
+# plugin write (NAME.pt; NAME-shardR.pt; NAME-model_part-K.pt; NAME-model_part-K-shardR.pt), one a line;
+# fails when there are none.
+ts_checkpoint_files() {
+  local save="$1" name="$2"
+  compgen -G "$save/$name.pt" || compgen -G "$save/$name-shard[0-9]*.pt" \
+    || compgen -G "$save/$name-model_part-[0-9]*.pt"
 }
 
 # ts_clip_args: optimizer flags for CLIP=sparse (SparseClip around Adam) or CLIP=vanilla (Adam).
@@ -113,17 +127,22 @@ ts_clip_args() {
   OPT_ARGS+=(--adam-betas "(0.9,0.98)" --clip-norm "$CLIP_NORM")
 }
 
-# ts_checkpoint SAVE_DIR NAME: path of a single-file checkpoint, consolidating expert shards if needed.
+# ts_checkpoint SAVE_DIR NAME: the --path to evaluate checkpoint NAME at this MP: NAME.pt itself, its
+# tensor-parallel parts (fairseq opens NAME-model_part-K.pt on rank K), or its expert shards
+# consolidated into NAME.consolidated.pt (at MP > 1 into NAME.consolidated-model_part-K.pt).
 ts_checkpoint() {
-  local save="$1" name="$2"
-  if [ -f "$save/$name.pt" ]; then
+  local save="$1" name="$2" parts=1
+  ts_checkpoint_files "$save" "$name" >/dev/null || die "no checkpoint $save/$name.pt; train first"
+  if compgen -G "$save/$name-model_part-[0-9]*.pt" >/dev/null; then
+    parts="$(compgen -G "$save/$name-model_part-[0-9]*.pt" | sed 's/.*-model_part-\([0-9]*\).*/\1/' | sort -u | wc -l)"
+  fi
+  [ "$parts" = "$MP" ] || die "$save/$name was saved at MP=$parts: evaluate it with MP=$parts (or reshard with ts-reshard)"
+  if [ -f "$save/$name.pt" ] || [ -f "$save/$name-model_part-0.pt" ]; then
     echo "$save/$name.pt"
-  elif [ -f "$save/$name-shard0.pt" ]; then
-    "$PY" -m torchscale_fairseq.cli.consolidate_experts "$save/$name.pt" -o "$save/$name.consolidated.pt" >&2 \
-      || die "could not consolidate the expert shards $save/$name-shard*.pt"
-    echo "$save/$name.consolidated.pt"
   else
-    die "no checkpoint $save/$name.pt; train first"
+    "$PY" -m torchscale_fairseq.cli.consolidate_experts "$save/$name.pt" -o "$save/$name.consolidated.pt" >&2 \
+      || die "could not consolidate the expert shards $save/$name*-shard*.pt"
+    echo "$save/$name.consolidated.pt"
   fi
 }
 

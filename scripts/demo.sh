@@ -2,17 +2,22 @@
 # First run for a new user (works from any directory; paths below are relative to the repo root):
 #   1. install .venv (scripts/install.sh),
 #   2. prepare the gensim Wikipedia excerpt with GPT-2 BPE into $DATA_DIR (skipped if already there),
-#   3. train a small Magneto language model on CPU (resumes from $SAVE_DIR/checkpoint_last.pt;
-#      skipped once $SAVE_DIR/train.log reports $MAX_UPDATE updates),
-#   4. report the validation perplexity (fairseq-eval-lm) and sample a continuation of $PROMPT,
+#   3. train a small Magneto language model on CPU with fairseq's adaptive input and adaptive
+#      softmax over the 50K GPT-2 vocabulary (bands cut at $ADAPTIVE_CUTOFF; empty: a full tied
+#      softmax) (resumes from $SAVE_DIR/checkpoint_last.pt; skipped once $SAVE_DIR/train.log
+#      reports $MAX_UPDATE updates),
+#   4. report the validation perplexity (fairseq-eval-lm) beside the add-one-smoothed unigram
+#      perplexity of the same training tokens (data_prep.unigram_ppl), and sample a continuation of $PROMPT,
 #   5. prepare the English-Spanish Bible (KJV / Reina-Valera 1909, aligned by verse, joint
 #      SentencePiece) into $NMT_DATA, train a small X-MoE translation model with SparseClip
 #      (scripts/nmt/train_moe.sh at SCALE=tiny, resumable), and report BLEU and chrF on the
-#      held-out test set (scripts/nmt/evaluate.sh),
+#      held-out test set (scripts/nmt/evaluate.sh) beside those of copying the English source
+#      (data_prep.nmt_baseline),
 #   6. plot validation perplexity, routing entropy and clipped updates (ts-plot-logs) into $PLOT_DIR
 #      and print a summary table. NMT=0 skips steps 5-6's translation part.
-# Defaults are sized for about 15 minutes on 2 CPU cores: 150 LM updates of 8 x 128 tokens, 300
-# NMT updates of 2048 tokens (lr 3e-3), beam 4 (docs/results.md: timing and numbers).
+# Defaults are estimated at 17-19 minutes on 2 idle CPU cores (not yet timed idle; NMT_BEAM=2 saves ~2): 600 LM updates of 16 x 128 tokens
+# (lr 4e-3, linear decay, no dropout), 400 NMT updates of 4096 tokens (d=128, FFN 512, lr 5e-3, no
+# dropout), beam 4 (docs/results.md: timing, numbers and every configuration tried).
 # Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
 set -euo pipefail
 trap 'echo "[demo] error: the step at scripts/demo.sh line $LINENO failed; see the output above" >&2' ERR
@@ -27,11 +32,14 @@ SAVE_DIR="${SAVE_DIR:-checkpoints/demo_lm}"
 ARCH="${ARCH:-ts_lm_tiny}"
 BACKBONE="${BACKBONE:-magneto}"
 TOKENS_PER_SAMPLE="${TOKENS_PER_SAMPLE:-128}"
-BATCH_SIZE="${BATCH_SIZE:-8}"
-LR="${LR:-2e-3}"
+BATCH_SIZE="${BATCH_SIZE:-16}"
+LR="${LR:-4e-3}"                           # peak; linear decay to 0 at MAX_UPDATE (polynomial_decay)
 WARMUP_UPDATES="${WARMUP_UPDATES:-40}"
-MAX_UPDATE="${MAX_UPDATE:-150}"
-VALIDATE_INTERVAL="${VALIDATE_INTERVAL:-75}"   # validation (and checkpoint_best) every N updates
+MAX_UPDATE="${MAX_UPDATE:-600}"
+DROPOUT="${DROPOUT:-0.0}"                  # a few epochs at most: dropout only slows learning
+ADAPTIVE_CUTOFF="${ADAPTIVE_CUTOFF:-2000,10000}"  # adaptive input/softmax bands (GPT-2 ids + 4); empty: full softmax
+ADAPTIVE_FACTOR="${ADAPTIVE_FACTOR:-4}"    # band i has dimension d / factor**i
+VALIDATE_INTERVAL="${VALIDATE_INTERVAL:-200}"  # validation (and checkpoint_best) every N updates
 LOG_INTERVAL="${LOG_INTERVAL:-20}"
 SEED="${SEED:-1}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"   # appended to fairseq-train, word-split
@@ -43,10 +51,15 @@ NMT="${NMT:-1}"                            # 0: language model only
 NMT_DATA="${NMT_DATA:-data-bin/kjv_sparv_spm}"
 NMT_VOCAB="${NMT_VOCAB:-4000}"
 NMT_SAVE_DIR="${NMT_SAVE_DIR:-checkpoints/demo_nmt_moe}"
+NMT_ARCH="${NMT_ARCH:-ts_transformer_tiny}"       # passed as ARCH, so an LM ARCH from the environment stays out
 NMT_EXPERTS="${NMT_EXPERTS:-4}"
-NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-300}"
-NMT_LR="${NMT_LR:-3e-3}"
+NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-400}"
+NMT_LR="${NMT_LR:-5e-3}"
 NMT_WARMUP="${NMT_WARMUP:-60}"
+NMT_EMBED_DIM="${NMT_EMBED_DIM:-128}"
+NMT_FFN_DIM="${NMT_FFN_DIM:-512}"
+NMT_MAX_TOKENS="${NMT_MAX_TOKENS:-4096}"
+NMT_DROPOUT="${NMT_DROPOUT:-0.0}"
 NMT_BEAM="${NMT_BEAM:-4}"
 # fairseq-generate --no-repeat-ngram-size (0: off). Note: fairseq 0.12's CPU fallback compares the wrong
 # slice of the token buffer and blocks nothing (fairseq issue #5206), so this only acts on GPU for now.
@@ -83,14 +96,20 @@ DONE="$(logged_updates)"
 if [ -f "$SAVE_DIR/checkpoint_best.pt" ] && [ "${DONE:-0}" -ge "$MAX_UPDATE" ]; then
   say "already trained ($DONE updates in $SAVE_DIR); remove it or raise MAX_UPDATE to train more"
 else
+  if [ -n "$ADAPTIVE_CUTOFF" ]; then
+    OUTPUT_ARGS=(--criterion adaptive_loss --ddp-backend legacy_ddp --adaptive-softmax-cutoff "$ADAPTIVE_CUTOFF"
+      --adaptive-softmax-factor "$ADAPTIVE_FACTOR" --adaptive-input --adaptive-input-factor "$ADAPTIVE_FACTOR"
+      --tie-adaptive-weights --tie-adaptive-proj)
+  else
+    OUTPUT_ARGS=(--share-decoder-input-output-embed)
+  fi
   say "training $ARCH ($BACKBONE) up to $MAX_UPDATE updates on CPU; log: $SAVE_DIR/train.log"
   # shellcheck disable=SC2086  # EXTRA_TRAIN_ARGS is split into words on purpose
   "$VENV/bin/fairseq-train" "$DATA_DIR" --user-dir "$USER_DIR" \
-    --task language_modeling --arch "$ARCH" --backbone "$BACKBONE" \
-    --share-decoder-input-output-embed \
+    --task language_modeling --arch "$ARCH" --backbone "$BACKBONE" --dropout "$DROPOUT" "${OUTPUT_ARGS[@]}" \
     --tokens-per-sample "$TOKENS_PER_SAMPLE" --sample-break-mode none \
     --optimizer adam --adam-betas '(0.9,0.98)' --lr "$LR" \
-    --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" \
+    --lr-scheduler polynomial_decay --warmup-updates "$WARMUP_UPDATES" --total-num-update "$MAX_UPDATE" \
     --batch-size "$BATCH_SIZE" --max-update "$MAX_UPDATE" --seed "$SEED" --cpu \
     --save-dir "$SAVE_DIR" --log-format json --log-interval "$LOG_INTERVAL" \
     --validate-interval-updates "$VALIDATE_INTERVAL" --no-epoch-checkpoints $EXTRA_TRAIN_ARGS 2>&1 | tee -a "$SAVE_DIR/train.log"
@@ -105,6 +124,8 @@ say "evaluating on the valid split; log: $SAVE_DIR/eval_valid.log"
   || { tail -n 5 "$SAVE_DIR/eval_valid.log" >&2; echo "[demo] error: fairseq-eval-lm failed; see $SAVE_DIR/eval_valid.log" >&2; exit 1; }
 VALID_PPL="$(sed -n 's/.*Perplexity: \([0-9.]*\).*/\1/p' "$SAVE_DIR/eval_valid.log" | tail -n 1)"
 VALID_LOSS="$(sed -n 's/.*Loss (base 2): \([0-9.]*\),.*/\1/p' "$SAVE_DIR/eval_valid.log" | tail -n 1)"
+UNIGRAM_PPL="$("$PY" -m data_prep.unigram_ppl "$DATA_DIR" --subset valid 2> "$SAVE_DIR/unigram.log" | sed -n 's/^unigram_ppl //p')" \
+  || { tail -n 5 "$SAVE_DIR/unigram.log" >&2; echo "[demo] error: the unigram baseline failed; see $SAVE_DIR/unigram.log" >&2; exit 1; }
 
 say "sampling a continuation of: $PROMPT"
 SAMPLE="$("$PY" -m data_prep.sample_lm --checkpoint-dir "$SAVE_DIR" --data "$DATA_DIR" \
@@ -113,7 +134,7 @@ SAMPLE="$("$PY" -m data_prep.sample_lm --checkpoint-dir "$SAVE_DIR" --data "$DAT
   || { tail -n 5 "$SAVE_DIR/sample.log" >&2; echo "[demo] error: sampling failed; see $SAVE_DIR/sample.log" >&2; exit 1; }
 
 PLOT_LOGS=("$SAVE_DIR/train.log")
-BLEU="-" CHRF="-"
+BLEU="-" CHRF="-" COPY_BLEU="-" COPY_CHRF="-"
 if [ "$NMT" = 1 ]; then
   if [ -f "$NMT_DATA/spm.model" ] && [ -f "$NMT_DATA/test.en-es.es.idx" ]; then
     say "using the prepared translation data in $NMT_DATA"
@@ -122,9 +143,9 @@ if [ "$NMT" = 1 ]; then
     "$PY" -m data_prep.prepare_nmt --out-dir "$NMT_DATA" --vocab-size "$NMT_VOCAB" --force
   fi
   say "training a small X-MoE translation model ($NMT_EXPERTS experts, SparseClip) up to $NMT_MAX_UPDATE updates"
-  SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" EXPERTS="$NMT_EXPERTS" CLIP=sparse \
-    MAX_UPDATE="$NMT_MAX_UPDATE" EMBED_DIM="${NMT_EMBED_DIM:-128}" FFN_DIM="${NMT_FFN_DIM:-256}" HEADS=4 \
-    MAX_TOKENS="${NMT_MAX_TOKENS:-2048}" TOTAL_TOKENS="${NMT_MAX_TOKENS:-2048}" LR="$NMT_LR" \
+  SCALE=tiny ARCH="$NMT_ARCH" DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" EXPERTS="$NMT_EXPERTS" CLIP=sparse \
+    MAX_UPDATE="$NMT_MAX_UPDATE" EMBED_DIM="$NMT_EMBED_DIM" FFN_DIM="$NMT_FFN_DIM" HEADS=4 DROPOUT="$NMT_DROPOUT" \
+    MAX_TOKENS="$NMT_MAX_TOKENS" TOTAL_TOKENS="$NMT_MAX_TOKENS" LR="$NMT_LR" \
     WARMUP="$NMT_WARMUP" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates 100" \
     bash "$ROOT/scripts/nmt/train_moe.sh"
   say "BLEU and chrF on the held-out test set"
@@ -133,6 +154,11 @@ if [ "$NMT" = 1 ]; then
     bash "$ROOT/scripts/nmt/evaluate.sh"
   BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
   CHRF="$(sed -n 's/^chrf \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
+  BLEU_SIGNATURE="$(sed -n 's/^bleu_signature \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
+  "$PY" -m data_prep.nmt_baseline --source "$NMT_DATA/raw/test.en" --reference "$NMT_DATA/raw/test.es" \
+    --scores-out "$NMT_SAVE_DIR/copy_source_test.txt" > /dev/null
+  COPY_BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/copy_source_test.txt")"
+  COPY_CHRF="$(sed -n 's/^chrf \(.*\)/\1/p' "$NMT_SAVE_DIR/copy_source_test.txt")"
   PLOT_LOGS+=("$NMT_SAVE_DIR/train.log")
 fi
 say "plots into $PLOT_DIR"
@@ -142,13 +168,16 @@ UPDATES="$(logged_updates)"
 echo
 echo "================ demo summary ================"
 echo "data:        $DATA_DIR (GPT-2 BPE; fairseq id = GPT-2 id + 4)"
-echo "model:       $ARCH, backbone $BACKBONE, ${UPDATES:-?} updates, $SAVE_DIR/checkpoint_best.pt"
-echo "valid:       loss ${VALID_LOSS:-?} bits/token, perplexity ${VALID_PPL:-?}"
+echo "model:       $ARCH, backbone $BACKBONE, ${ADAPTIVE_CUTOFF:+adaptive input/softmax at $ADAPTIVE_CUTOFF, }${UPDATES:-?} updates, $SAVE_DIR/checkpoint_best.pt"
+echo "valid:       perplexity ${VALID_PPL:-?} (loss ${VALID_LOSS:-?} bits/token) on the held-out articles"
+echo "baseline:    perplexity ${UNIGRAM_PPL:-?} for word frequencies alone (add-one unigram of the training tokens);"
+echo "             unigram / model = $(awk -v m="${VALID_PPL:-0}" -v u="${UNIGRAM_PPL:-0}" 'BEGIN { if (m > 0) printf "%.2fx", u / m; else printf "?" }'): what the model gains from context (1x: nothing beyond word frequencies)"
 echo "sample:      $SAMPLE"
 if [ "$NMT" = 1 ]; then
   echo "nmt data:    $NMT_DATA (KJV -> Reina-Valera 1909, $(wc -l < "$NMT_DATA/raw/train.en") train / $(wc -l < "$NMT_DATA/raw/test.en") test pairs)"
-  echo "nmt model:   X-MoE ts_transformer_tiny, $NMT_EXPERTS experts, SparseClip, $NMT_SAVE_DIR"
-  echo "nmt test:    BLEU $BLEU, chrF $CHRF ($NMT_SAVE_DIR/bleu_test.txt)"
+  echo "nmt model:   X-MoE $NMT_ARCH, $NMT_EXPERTS experts, SparseClip, $NMT_SAVE_DIR"
+  echo "nmt test:    BLEU $BLEU, chrF $CHRF on the held-out test verses ($NMT_SAVE_DIR/bleu_test.txt; sacrebleu ${BLEU_SIGNATURE:-?})"
+  echo "baseline:    BLEU $COPY_BLEU, chrF $COPY_CHRF for copying the English verse unchanged (shared names and numbers only)"
 fi
 echo "plots:       $PLOT_DIR/*.png"
 echo "wall time:   $((SECONDS / 60)) min $((SECONDS % 60)) s (setup, data, training, evaluation)"

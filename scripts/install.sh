@@ -1,11 +1,35 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install torchscale-fairseq with everything it needs, offline-friendly:
-# torch CPU build first (never a CUDA build on a CPU machine), fairseq built without build isolation.
+# torch first (the CUDA or the CPU build, see below), fairseq built without build isolation.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+# Which PyTorch build: TORCH_BUILD=cuda where an NVIDIA driver answers (`nvidia-smi` runs), else cpu.
+# cuda: the plain spec (PyPI's Linux torch wheels are CUDA builds). cpu: the spec from
+# TORCH_CPU_INDEX (--index-url) when that index answers, else the plain spec (a local wheel
+# directory or mirror with a +cpu wheel, as on the project's CI machine). TORCH_INDEX_URL
+# overrides the index for either build; INSTALL_DRY_RUN=1 prints the decision and stops.
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+if [ -z "${TORCH_BUILD:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then TORCH_BUILD=cuda; else TORCH_BUILD=cpu; fi
+fi
+case "$TORCH_BUILD" in
+  cuda|cpu) ;;
+  *) echo "[install] error: TORCH_BUILD=$TORCH_BUILD is neither cpu nor cuda: set TORCH_BUILD=cpu or TORCH_BUILD=cuda" >&2; exit 2 ;;
+esac
+TORCH_INDEX=()
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  TORCH_INDEX=(--index-url "$TORCH_INDEX_URL")
+elif [ "$TORCH_BUILD" = cpu ] && "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+    "$TORCH_CPU_INDEX" >/dev/null 2>&1; then
+  TORCH_INDEX=(--index-url "$TORCH_CPU_INDEX")
+fi
+echo "[install] torch: build $TORCH_BUILD, pip install $TORCH_SPEC${TORCH_INDEX[*]:+ ${TORCH_INDEX[*]}}"
+if [ "${INSTALL_DRY_RUN:-0}" = 1 ]; then
+  exit 0
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[install] creating $VENV"
@@ -32,8 +56,7 @@ fi
 
 "${PIP[@]}" install --upgrade "pip>=23" setuptools wheel
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[install] $TORCH_SPEC"
-  "${PIP[@]}" install "$TORCH_SPEC"
+  "${PIP[@]}" install "$TORCH_SPEC" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"}
 fi
 "${PIP[@]}" install "numpy<2.3" cython "packaging"
 PYMINOR="$("$VENV/bin/python" -c 'import sys; print(sys.version_info[1])')"
@@ -45,7 +68,17 @@ fi
 # Offline assets: GPT-2 BPE ranks (openai-whisper ships them) and the gensim Wikipedia excerpt.
 # Installed without dependencies: only their data files are used, found without importing them.
 "${PIP[@]}" install --no-deps "openai-whisper==20250625" "gensim==4.4.0"
-echo "[install] torchscale-fairseq (editable, with test and plots extras)"
-"${PIP[@]}" install --no-build-isolation -e "$ROOT[test,plots]"
+# TorchScale (the ts-import-torchscale tests build its Decoder); without its pinned fairscale/timm,
+# which would replace this torch (the tests stand in for the two functions it imports from them).
+"${PIP[@]}" install --no-deps "torchscale==0.3.0"
+echo "[install] torchscale-fairseq (editable, with test, plots and export extras)"
+"${PIP[@]}" install --no-build-isolation -e "$ROOT[test,plots,export]"
+# fairseq pulls in torchaudio, whose builds on the index do not load with this torch; only fairseq's
+# speech code uses it, but transformers (export extra) imports it whenever it is installed.
+if "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchaudio') is None)" \
+    && ! "$VENV/bin/python" -c "import torchaudio" 2>/dev/null; then
+  echo "[install] removing torchaudio (does not load with this torch)"
+  "${PIP[@]}" uninstall -y torchaudio
+fi
 echo "$HASH" > "$STAMP"
 echo "[install] done: $("$VENV/bin/python" -c 'import torch, fairseq; print("torch", torch.__version__, "fairseq", fairseq.__version__)')"

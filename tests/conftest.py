@@ -1,5 +1,6 @@
 """Shared pytest fixtures: the repository root on ``sys.path`` (for ``data_prep``) and the
-tiny binarised corpora every CLI test reads."""
+tiny binarised corpora every CLI test reads; ``gpu``-marked tests are deselected, and said
+to be, where CUDA is not available (never skipped silently)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,39 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+CUDA = torch.cuda.is_available()
+NO_CUDA = "deselected: no CUDA"
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_report_header(config) -> str:
+    if CUDA:
+        return f"gpu tests: run on {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"gpu tests: {NO_CUDA} (torch {torch.__version__})"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Without CUDA, deselect the ``gpu``-marked tests (reported, not skipped)."""
+    if CUDA:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    count = config.stash.get(_GPU_DESELECTED, 0)
+    if count:
+        terminalreporter.write_line(f"{count} gpu tests {NO_CUDA}")
 
 
 @pytest.fixture(scope="session")

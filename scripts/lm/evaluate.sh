@@ -2,8 +2,8 @@
 # Perplexity of a trained LM on a held-out split with fairseq-eval-lm.
 #   SAVE_DIR=checkpoints/lm_dense_magneto_L12_full bash scripts/lm/evaluate.sh
 # Knobs: SAVE_DIR (required), DATA, SUBSET (test), CHECKPOINT (checkpoint_best), TOKENS_PER_SAMPLE,
-# CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP (with NPROC_PER_NODE=MP for a tensor-parallel
-# model). Writes SAVE_DIR/eval_SUBSET.txt ("perplexity P" and "loss_base2 L") and prints it; the
+# CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP (the tensor-parallel size it was trained at; one
+# process per part). Writes SAVE_DIR/eval_SUBSET.txt ("perplexity P" and "loss_base2 L") and prints it; the
 # full fairseq output is in eval_SUBSET.log.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ -n "${SAVE_DIR:-}" ] || die "set SAVE_DIR to the training run's directory"

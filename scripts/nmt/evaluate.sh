@@ -4,8 +4,8 @@
 # (DATA/raw/SUBSET.TGT_LANG written by data_prep.prepare_nmt).
 #   SAVE_DIR=checkpoints/nmt_dense_magneto_L12-12_full bash scripts/nmt/evaluate.sh
 # Knobs: SAVE_DIR (required), DATA, SRC_LANG, TGT_LANG, SUBSET (test), CHECKPOINT (checkpoint_best),
-# BEAM (5), LENPEN (1.0), MAX_TOKENS, SCALE, DEVICE, MP (with NPROC_PER_NODE=MP for a tensor-parallel
-# model), EXTRA_ARGS.
+# BEAM (5), LENPEN (1.0), MAX_TOKENS, SCALE, DEVICE, MP (the tensor-parallel size it was trained at; one
+# process per part), EXTRA_ARGS.
 # Writes SAVE_DIR/generate_SUBSET.txt (fairseq output), hyp_SUBSET.TGT_LANG (detokenised
 # hypotheses) and bleu_SUBSET.txt ("bleu B", "chrf C", sacrebleu signatures), and prints them.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"

@@ -1,16 +1,21 @@
-"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), then ts-plot-logs on the logs."""
+"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), also at MP=2 (tensor
+parallel, gloo; MoE with experts replicated over the two parts), then ts-plot-logs on the logs, and
+scripts/demo.sh at toy size on the same data (its baselines against sacrebleu and the formula)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sacrebleu
 
-from data_prep import prepare_lm, prepare_nmt
+from data_prep import prepare_lm, prepare_nmt, unigram_ppl
+from tests.cli_utils import free_port
 from tests.experiments.test_prepare_nmt import EN, ES
 from torchscale_fairseq.cli import plot_logs
 
@@ -21,6 +26,8 @@ TRAININGS = {
     "lm_moe": ("lm/train_moe.sh", {"EXPERTS": "2", "CLIP": "vanilla"}),
     "nmt_dense": ("nmt/train_dense.sh", {"BACKBONE": "postln"}),
     "nmt_moe": ("nmt/train_moe.sh", {"EXPERTS": "2", "CLIP": "sparse"}),
+    "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "sparse", "MP": "2"}),
+    "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
 }
 
 
@@ -56,21 +63,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saves = {name: root / name for name in TRAININGS}
     common = {"MAX_UPDATE": "3", "LOG_INTERVAL": "1"}
     data = {name: str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")) for name in TRAININGS}
-    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]), **common, **extra)
-             for name, (script, extra) in TRAININGS.items()})
+    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]), MASTER_PORT=str(free_port()),
+                          **common, **extra) for name, (script, extra) in TRAININGS.items()})
     _finish({name: _start(f"{name.split('_')[0]}/evaluate.sh", DATA=data[name], SAVE_DIR=str(saves[name]), BEAM="1",
-                          MAX_LEN_B="8") for name in TRAININGS})
+                          MAX_LEN_B="8", MP=extra.get("MP", "1"), MASTER_PORT=str(free_port()))
+             for name, (_, extra) in TRAININGS.items()})
     return saves
 
 
-@pytest.mark.parametrize("name", ["lm_dense", "lm_moe"])
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2"])
 def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
-    assert (save / "checkpoint_best.pt").is_file()
+    parts = ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"] if name.endswith("mp2") else [
+        "checkpoint_best.pt"]
+    assert sorted(p.name for p in save.glob("checkpoint_best*.pt")) == parts
     log = plot_logs.parse_log(save / "train.log")
     assert [r["num_updates"] for r in log.records["train_inner"]] == ["1", "2", "3"]
     assert log.records["valid"][-1]["valid_num_updates"] == "3"
-    if name == "lm_moe":
+    if name.startswith("lm_moe"):
         assert "moe_entropy" in log.records["train_inner"][-1]
     fields = dict(line.split(" ", 1) for line in (save / "eval_test.txt").read_text().splitlines())
     ppl, loss2 = float(fields["perplexity"]), float(fields["loss_base2"])
@@ -78,9 +88,11 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
     assert ppl == pytest.approx(2**loss2, rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["nmt_dense", "nmt_moe"])
+@pytest.mark.parametrize("name", ["nmt_dense", "nmt_moe", "nmt_dense_mp2"])
 def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
+    if name.endswith("mp2"):
+        assert (save / "checkpoint_best-model_part-1.pt").is_file() and not (save / "checkpoint_best.pt").exists()
     hyps = (save / "hyp_test.es").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 4
     scores = dict(line.split(" ", 1) for line in (save / "bleu_test.txt").read_text().splitlines())
@@ -91,6 +103,15 @@ def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name:
     if name == "nmt_moe":
         last = log.records["train_inner"][-1]
         assert {"moe_entropy", "gnorm_dense", "gnorm_expert", "clip"} <= set(last)
+
+
+def test_evaluating_parts_at_another_mp_is_one_line(runs: dict[str, Path]) -> None:
+    save = runs["lm_moe_mp2"]
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "lm/evaluate.sh")], capture_output=True, text=True,
+                          env=_env(DATA=str(save.parent / "lm-bin"), SAVE_DIR=str(save)), timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was saved at MP=2: evaluate it with MP=2" in lines[0], proc.stderr
 
 
 def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: Path) -> None:
@@ -105,6 +126,34 @@ def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: P
         [sum(clips[: i + 1]) / 100 for i in range(3)]))
     dense = plot_logs.parse_log(runs["lm_dense"] / "train.log")
     assert plot_logs.entropy_keys(dense) == []
+
+
+def test_unigram_baseline_is_the_add_one_formula() -> None:
+    """p(w) = (c(w) + 1) / (N + V): train [5, 5, 6] over V = 4 gives p(5) = 3/7, p(6) = 2/7."""
+    ppl = unigram_ppl.unigram_perplexity(np.array([5, 5, 6]) - 3, np.array([5, 6]) - 3, 4)
+    assert ppl == pytest.approx(math.exp(-(math.log(3 / 7) + math.log(2 / 7)) / 2))
+
+
+def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path]) -> None:
+    """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, installed venv reused."""
+    root = runs["lm_dense"].parent
+    env = _env(SKIP_INSTALL="1", DATA_DIR=str(root / "lm-bin"), SAVE_DIR=str(root / "demo_lm"), MAX_UPDATE="3",
+               TOKENS_PER_SAMPLE="16", BATCH_SIZE="4", VALIDATE_INTERVAL="3", LOG_INTERVAL="1", SAMPLE_LEN="4",
+               ARCH="ts_lm_tiny", NMT_DATA=str(root / "nmt-bin"), NMT_SAVE_DIR=str(root / "demo_nmt"),
+               NMT_MAX_UPDATE="3", NMT_EXPERTS="2", NMT_EMBED_DIM="32", NMT_FFN_DIM="64", NMT_MAX_TOKENS="512",
+               NMT_BEAM="1", PLOT_DIR=str(root / "demo_plots"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = dict(line.split(":", 1) for line in proc.stdout.split("demo summary")[1].splitlines() if ": " in line)
+    assert "adaptive input/softmax at 2000,10000, 3 updates" in summary["model"]
+    unigram = unigram_ppl.main([str(root / "lm-bin"), "--subset", "valid"])
+    assert f"perplexity {unigram:.1f} for word frequencies alone" in proc.stdout
+    copy_bleu, copy_chrf = (round(m(EN[-4:], [ES[-4:]]).score, 2) for m in (sacrebleu.corpus_bleu, sacrebleu.corpus_chrf))
+    assert f"BLEU {copy_bleu}, chrF {copy_chrf} for copying the English verse" in summary["baseline"]
+    assert "nrefs:1" in summary["nmt test"]
+    assert sorted(p.name for p in (root / "demo_plots").iterdir()) == ["clipping.png", "routing_entropy.png",
+                                                                         "valid_ppl.png"]
 
 
 def test_plot_tool_rejects_a_log_without_json_records(tmp_path: Path) -> None:

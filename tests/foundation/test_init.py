@@ -78,7 +78,7 @@ def test_deepnorm_residual_is_scaled_by_alpha():
     x = torch.randn(2, 5, 64)
     h = layer.self_attn_layer_norm(alpha * x + layer.self_attn(x, causal=True))
     reference = layer.final_layer_norm(alpha * h + layer.ffn(h))
-    torch.testing.assert_close(layer(x, causal=True), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x, causal=True)[0], reference, rtol=1e-5, atol=1e-5)
 
 
 def test_magneto_has_inner_layernorms_and_preln_does_not():

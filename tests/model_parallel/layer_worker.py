@@ -1,9 +1,10 @@
 """One rank of the layer-level tensor-parallel checks (run by ``test_mp_layers.py``).
 
-``python layer_worker.py RANK WORLD PORT OUT``: every parallel layer at N = WORLD is
+``python layer_worker.py RANK WORLD PORT OUT [DEVICE]``: every parallel layer at N = WORLD is
 compared, forward and backward, with its dense PyTorch counterpart built from the same
 full weights (the N = 1 build with the same seed); rank 0 writes the maximum absolute
-errors and the recorded collectives as JSON to ``OUT``.
+errors and the recorded collectives as JSON to ``OUT``. ``DEVICE`` ``cuda`` builds every
+tensor on the current GPU (collectives still over gloo, which takes CUDA tensors).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from torch import nn
 
+from tests.model_parallel.collectives import record_collectives
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.layer import TransformerLayer
 from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, sharded_dim
 from torchscale_fairseq.model_parallel.cross_entropy import (
     label_smoothed_loss,
     vocab_parallel_cross_entropy,
@@ -31,12 +34,7 @@ from torchscale_fairseq.model_parallel.layers import (
     VocabParallelEmbedding,
     padded_vocab_size,
 )
-from torchscale_fairseq.model_parallel.mappings import record_collectives
-from torchscale_fairseq.model_parallel.partition import (
-    TP_STRIDE,
-    shard_tensor,
-    sharded_dim,
-)
+from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.modules.backbone import build_backbone
 
 B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
@@ -45,6 +43,11 @@ B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a.float() - b.float()).abs().max())
+
+
+def tp():
+    """The tensor-parallel group the parallel layers under test split over."""
+    return groups.get_tensor_parallel_group()
 
 
 def shard_of(full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
@@ -58,7 +61,7 @@ def seeded(seed: int, factory):
 
 def randn(seed: int, *shape) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g)
+    return torch.randn(*shape, generator=g, device="cpu").to(torch.get_default_device())
 
 
 def param_grad_errors(parallel: nn.Module, dense_grads: dict[str, torch.Tensor]) -> float:
@@ -75,7 +78,7 @@ def check_column(dense_cl: ColumnParallelLinear, world: int) -> dict[str, float]
     ref = nn.Linear(16, 24)
     ref.weight.data.copy_(dense_cl.weight)
     ref.bias.data.copy_(dense_cl.bias)
-    par = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3))
+    par = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3, tp_group=tp()))
     par.bias.data.copy_(shard_of(torch.arange(24.0) / 24, 0, 3))
     ref.bias.data.copy_(torch.arange(24.0) / 24)
     x_ref, x_par = randn(1, B, T, 16).requires_grad_(), randn(1, B, T, 16).requires_grad_()
@@ -84,7 +87,7 @@ def check_column(dense_cl: ColumnParallelLinear, world: int) -> dict[str, float]
     y_ref.backward(grad_out)
     y_par = par(x_par)
     y_par.backward(shard_of(grad_out, 2, 3))
-    gathering = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3, gather_output=True))
+    gathering = seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3, gather_output=True, tp_group=tp()))
     gathering.bias.data.copy_(par.bias)
     x_g = randn(1, B, T, 16).requires_grad_()
     y_g = gathering(x_g)
@@ -103,7 +106,7 @@ def check_row(dense_rl: RowParallelLinear) -> dict[str, float]:
     ref = nn.Linear(24, 16)
     ref.weight.data.copy_(dense_rl.weight)
     ref.bias.data.copy_(torch.linspace(-1, 1, 16))
-    par = seeded(12, lambda: RowParallelLinear(24, 16))
+    par = seeded(12, lambda: RowParallelLinear(24, 16, tp_group=tp()))
     par.bias.data.copy_(torch.linspace(-1, 1, 16))
     x_full = randn(3, B, T, 24)
     x_ref, x_par = x_full.clone().requires_grad_(), shard_of(x_full, 2).requires_grad_()
@@ -122,7 +125,7 @@ def check_row(dense_rl: RowParallelLinear) -> dict[str, float]:
 def check_embedding(dense_emb: VocabParallelEmbedding, world: int) -> dict[str, float]:
     ref = nn.Embedding(V, D, padding_idx=PAD)
     ref.weight.data.copy_(dense_emb.weight)
-    par = seeded(13, lambda: VocabParallelEmbedding(V, D, padding_idx=PAD))
+    par = seeded(13, lambda: VocabParallelEmbedding(V, D, padding_idx=PAD, tp_group=tp()))
     tokens = torch.tensor([[0, 1, 5, 299, 200], [150, 1, 1, 7, 298], [3, 100, 250, 2, 1]])
     grad_out = randn(5, B, T, D)
     ref(tokens).backward(grad_out)
@@ -142,7 +145,7 @@ def check_layernorm() -> dict[str, float]:
     ref = nn.LayerNorm(24)
     ref.weight.data.copy_(randn(6, 24))
     ref.bias.data.copy_(randn(7, 24))
-    par = ParallelLayerNorm(24)
+    par = ParallelLayerNorm(24, tp_group=tp())
     par.weight.data.copy_(shard_of(ref.weight.detach(), 0))
     par.bias.data.copy_(shard_of(ref.bias.detach(), 0))
     x_full = randn(8, B, T, 24) * 3 + 1
@@ -171,7 +174,7 @@ def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
     garbage = torch.full((B * T, padded - V), 50.0)
     par_logits = shard_of(torch.cat([logits_full, garbage], dim=1), 1).requires_grad_()
     with record_collectives() as log:
-        losses = vocab_parallel_cross_entropy(par_logits, target, V)
+        losses = vocab_parallel_cross_entropy(par_logits, target, V, tp())
     loss, nll = label_smoothed_loss(losses, target, eps, V, PAD)
     loss.backward()
     full_grad = torch.cat([ref_logits.grad, torch.zeros(B * T, padded - V)], dim=1)
@@ -187,10 +190,10 @@ def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
     }, list(log)
 
 
-def layer_config(backbone: str) -> StackConfig:
+def layer_config(backbone: str, tp_group=None) -> StackConfig:
     return StackConfig(
         embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
-        backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0,
+        backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0, tp_group=tp_group,
     )
 
 
@@ -198,16 +201,16 @@ def dense_transformer_layer(backbone: str) -> dict:
     """Output and gradients of the unsharded layer (call before the groups exist)."""
     dense = seeded(20, lambda: TransformerLayer(layer_config(backbone)))
     x = randn(21, B, T, D).requires_grad_()
-    y = dense(x, causal=True)
+    y, _ = dense(x, causal=True)
     y.backward(randn(22, B, T, D))
     return {"out": y.detach(), "grad_x": x.grad, "grads": {n: p.grad for n, p in dense.named_parameters()}}
 
 
 def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float], list]:
-    par = seeded(20, lambda: TransformerLayer(layer_config(backbone)))
+    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, tp())))
     x = randn(21, B, T, D).requires_grad_()
     with record_collectives() as log:
-        y = par(x, causal=True)
+        y, _ = par(x, causal=True)
         y.backward(randn(22, B, T, D))
     return {
         "out": err(y, dense["out"]),
@@ -218,6 +221,7 @@ def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_default_device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dense = {

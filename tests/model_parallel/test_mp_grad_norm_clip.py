@@ -1,4 +1,4 @@
-"""The patched ``fairseq.utils.clip_grad_norm_`` without tensor parallelism or experts is
+"""The installed ``fairseq.utils.clip_grad_norm_`` without tensor parallelism or experts is
 fairseq's own ``||g||_2`` (and clips the same way); expert gradients count; fp16 master
 copies keep the attributes the count-once norm needs."""
 
@@ -9,11 +9,14 @@ from types import SimpleNamespace
 
 import torch
 from fairseq import utils
+from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 from torch import nn
 
 import torchscale_fairseq  # noqa: F401  (installs the patches)
-from torchscale_fairseq.compat import grad_norm_clip
-from torchscale_fairseq.model_parallel.partition import TP_DIM, TP_STRIDE, mark_sharded
+from torchscale_fairseq.integration import clip_grad_norm as grad_norm_clip
+from torchscale_fairseq.integration.trainer import carry_parallel_attributes
+from torchscale_fairseq.model_parallel.attributes import TP_DIM, TP_STRIDE, mark_sharded
+from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES, flat_master_views
 
 
 def _model_with_grads(seed: int = 0) -> nn.Module:
@@ -53,8 +56,8 @@ def test_flat_fp16_master_is_split_back_into_parameters():
     mark_sharded(params[0], 0)
     flat = nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
     flat.grad = torch.cat([p.grad.flatten() for p in params])
-    setattr(flat, grad_norm_clip._FLAT_SOURCES, params)
-    views = list(grad_norm_clip._views([flat]))
+    setattr(flat, FLAT_MASTER_SOURCES, params)
+    views = list(flat_master_views([flat]))
     assert [v.grad.numel() for v in views] == [p.numel() for p in params]
     assert getattr(views[0], TP_DIM) == 0 and not hasattr(views[1], TP_DIM)
     assert torch.allclose(utils.clip_grad_norm_([flat], 0.0), flat.grad.norm())
@@ -63,6 +66,7 @@ def test_flat_fp16_master_is_split_back_into_parameters():
 def test_unflattened_fp16_masters_keep_the_attributes():
     params = [mark_sharded(nn.Parameter(torch.ones(4, 2)), 0, 2), nn.Parameter(torch.ones(3))]
     params[1].expert = True
-    masters = grad_norm_clip._FP16OptimizerMixin.build_fp32_params(SimpleNamespace(), copy.copy(params), flatten=False)
+    masters = _FP16OptimizerMixin.build_fp32_params(SimpleNamespace(), copy.copy(params), flatten=False)
+    carry_parallel_attributes(SimpleNamespace(fp16_params=params, fp32_params=masters))
     assert getattr(masters[0], TP_DIM) == 0 and getattr(masters[0], TP_STRIDE) == 2
     assert masters[1].expert is True and not hasattr(masters[1], TP_DIM)

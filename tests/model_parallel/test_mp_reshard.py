@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from torchscale_fairseq.cli.reshard import reshard_states
-from torchscale_fairseq.compat.model_parallel_trainer import TP_STATE_KEY
+from torchscale_fairseq.checkpoints.convert import reshard_states
+from torchscale_fairseq.checkpoints.layout import RECORD_KEY as TP_STATE_KEY
 from torchscale_fairseq.model_parallel.partition import padded_vocab_size, shard_tensor
 
 VOCAB, DIM = 300, 4

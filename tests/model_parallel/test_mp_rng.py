@@ -8,15 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from torchscale_fairseq.model_parallel import process_groups
 from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker, model_parallel_seed
 
 
 @pytest.fixture
-def two_way(monkeypatch):
-    """Tensor-parallel size 2 as the tracker sees it (no collective is involved)."""
-    monkeypatch.setattr(process_groups, "_TP_SIZE", 2)
-    model_parallel_seed(7)
+def two_way():
+    """Rank 0 of tensor-parallel size 2 as the tracker sees it (no collective is involved)."""
+    model_parallel_seed(7, 0, 2)
     yield
     get_rng_tracker().reset()
 

@@ -1,9 +1,11 @@
-"""Drive fairseq's real ``Trainer`` on fixed global batches, on 1 process or on W gloo
-processes (each taking its slice of the global batch), and save per update the global
+"""Drive the plugin's trainer (the ``Trainer`` subclass ``fairseq-train`` uses) on fixed
+global batches, on 1 process or on W gloo processes (each taking its slice of the global
+batch, in ``--update-freq`` micro-batches), and save per update the global
 loss, the gradient norm the trainer clipped with and the logged metrics, and at the end
 the full parameters (expert shards gathered) for comparison.
 
-Usage: ``python -m tests.moe.dist_harness OUT WORLD DATA [extra fairseq flags...]``.
+Usage: ``python -m tests.moe.dist_harness OUT WORLD DATA [extra fairseq flags...]``; with
+``TS_HARNESS_DEVICE=cuda`` the trainer runs on CUDA (every rank on the current GPU) instead of ``--cpu``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.multiprocessing as mp
 USER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "torchscale_fairseq")
 BATCH, LENGTH, UPDATES = 8, 16, 3
+DEVICE_FLAGS = [] if os.environ.get("TS_HARNESS_DEVICE", "cpu") == "cuda" else ["--cpu"]
 
 
 def global_batches(vocab: int, pad: int) -> list[torch.Tensor]:
@@ -40,9 +43,10 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
     from fairseq.logging import metrics
-    from fairseq.trainer import Trainer
 
-    argv = [data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+    from torchscale_fairseq.integration.trainer import TsTrainer
+
+    argv = [data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", *DEVICE_FLAGS,
             "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
             "--decoder-layers", "2", "--tokens-per-sample", str(LENGTH), "--dropout", "0", "--seed", "7",
             "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "4096", "--distributed-world-size", str(world),
@@ -57,7 +61,7 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)
-    trainer = Trainer(cfg, task, model, criterion)
+    trainer = TsTrainer(cfg, task, model, criterion)
     dictionary = task.target_dictionary
     seen = []
     forward = criterion.forward
@@ -78,12 +82,15 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
 
     trainer.clip_grad_norm = recording_clip
     losses = []
-    per_rank = BATCH // world
+    update_freq = cfg.optimization.update_freq[0]
+    micro = BATCH // (world * update_freq)
     for tokens in global_batches(len(dictionary), dictionary.pad()):
+        start = len(seen)
         with metrics.aggregate(new_root=True) as agg:
-            trainer.train_step([sample_of(tokens[rank * per_rank:(rank + 1) * per_rank])])
+            trainer.train_step([sample_of(tokens[i * micro:(i + 1) * micro])
+                                for i in range(rank * update_freq, (rank + 1) * update_freq)])
         logged.append(dict(agg.get_smoothed_values()))
-        total = seen[-1]
+        total = torch.stack(seen[start:]).sum(0)
         if world > 1:
             torch.distributed.all_reduce(total)
         losses.append(float(total[0] / total[1]))
@@ -97,6 +104,9 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
         state[name] = t
     if rank == 0:
         torch.save({"losses": losses, "norms": norms, "logged": logged, "state": state}, out)
+    if world > 1:  # leave together: a rank exiting while gloo threads still run aborts
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str]) -> None:

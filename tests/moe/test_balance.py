@@ -45,12 +45,12 @@ def test_padding_excluded_from_loss_stats_and_output(router):
     real = torch.randn(1, 5, 8)
     padded = torch.cat([real, torch.randn(1, 3, 8) * 10], dim=1)
     mask = torch.tensor([[False] * 5 + [True] * 3])
-    y_real = layer(real)
-    loss_real, stats_real = float(layer.balance_loss), layer.stats
-    y_pad = layer(padded, mask)
-    assert float(layer.balance_loss) == pytest.approx(loss_real, abs=1e-6)
-    assert layer.stats.tokens == stats_real.tokens == 5
+    y_real, aux_real = layer(real)
+    loss_real, stats_real = float(aux_real.balance_loss), aux_real.stats
+    y_pad, aux_pad = layer(padded, mask)
+    assert float(aux_pad.balance_loss) == pytest.approx(loss_real, abs=1e-6)
+    assert aux_pad.stats.tokens == stats_real.tokens == 5
     assert torch.allclose(y_pad[:, :5], y_real, atol=1e-6)
     assert torch.equal(y_pad[:, 5:], torch.zeros_like(y_pad[:, 5:]))
     probs = torch.softmax(layer.router(real.reshape(-1, 8)), -1)
-    assert float(layer.balance_loss) == pytest.approx(float(balance_loss(probs, probs.argmax(-1))), abs=1e-6)
+    assert float(aux_pad.balance_loss) == pytest.approx(float(balance_loss(probs, probs.argmax(-1))), abs=1e-6)

@@ -37,7 +37,8 @@ def _consolidate(name, out):
 
 @pytest.mark.parametrize("experts,extra", [("4", ["--moe-top-k", "2"]), ("1", ["--moe-top-k", "1"])])
 def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra):
-    """E=4 on 2 ranks (2 experts each) and E=1 on 2 ranks (replicas) vs 1 process: same
+    """E=4 on 2 ranks (2 experts each) and E=1 on 2 ranks (replicas) vs 1 process with the
+    whole batch (``--moe-balance-scope global``: the balance loss of the whole batch): same
     losses, same SparseClip norms (issue 4: expert-parallel and data-parallel norm), same
     parameters.
 
@@ -45,7 +46,8 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
     (the attention key bias) turn float summation-order noise into lr-sized steps."""
     flags = ["--moe-expert-count", experts, "--moe-freq", "1", "--criterion", "moe_cross_entropy",
              "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
-             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", *extra]
+             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-balance-scope", "global",
+             *extra]
     outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
     run_many([[sys.executable, "-m", "tests.moe.dist_harness", outs[world], str(world), lm_data, *flags]
               for world in (1, 2)])
@@ -58,6 +60,31 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
     for name, p in one["state"].items():
         assert p.shape == two["state"][name].shape, name
         assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
+
+
+def test_balance_scope_against_its_definition():
+    """Each rank's balance loss (both scopes) against the formula computed by hand."""
+    run([sys.executable, "-m", "tests.moe.balance_scope_worker", str(free_port())], timeout=120)
+
+
+def test_local_balance_scope_equals_update_freq(tmp_path, lm_data):
+    """``--moe-balance-scope local`` on 2 ranks trains as 1 process with ``--update-freq 2``
+    on the same micro-batches (fairseq's MoE branch and TorchScale); ``global`` on 2 ranks
+    does not (its balance loss is that of the two micro-batches together)."""
+    flags = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
+             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--moe-gate-loss-wt", "1.0",
+             "--optimizer", "sgd", "--lr", "0.5"]
+    runs = {"local2": ("2", ["--moe-balance-scope", "local"]), "global2": ("2", ["--moe-balance-scope", "global"]),
+            "freq2": ("1", ["--moe-balance-scope", "local", "--update-freq", "2"])}
+    run_many([[sys.executable, "-m", "tests.moe.dist_harness", tmp_path / f"{name}.pt", world, lm_data, *flags,
+               *extra] for name, (world, extra) in runs.items()])
+    out = {name: torch.load(tmp_path / f"{name}.pt") for name in runs}
+    gate = {name: [log["moe_gate_loss"] for log in o["logged"]] for name, o in out.items()}
+    assert gate["local2"] == pytest.approx(gate["freq2"], abs=1e-4)
+    assert out["local2"]["losses"] == pytest.approx(out["freq2"]["losses"], abs=1e-5)
+    for name, p in out["freq2"]["state"].items():
+        assert torch.allclose(p, out["local2"]["state"][name], atol=1e-5, rtol=0), name
+    assert abs(gate["global2"][0] - gate["freq2"][0]) > 1e-3, gate
 
 
 def test_lm_train_consolidate_validate_eval(tmp_path, lm_data):

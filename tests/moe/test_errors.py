@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 from argparse import Namespace
 
 import pytest
 import torch
 
-from tests.cli_utils import MT_TRAIN, USER_DIR, run, tool
+from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, free_port, last_error_line, run, tool
 from torchscale_fairseq.cli.consolidate_experts import consolidate
-from torchscale_fairseq.criterions.moe_terms import moe_layers
+from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
+from torchscale_fairseq.criterions.moe_terms import moe_outputs
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
 from torchscale_fairseq.modules.moe.groups import expert_layout
@@ -42,7 +44,7 @@ def test_flag_errors(kw, match):
 
 def test_moe_criterion_needs_moe_aware_model():
     with pytest.raises(TsConfigError, match="MoE-aware"):
-        moe_layers(torch.nn.Linear(2, 2), "moe_cross_entropy")
+        moe_outputs(torch.nn.Linear(2, 2)(torch.ones(1, 2)), "moe_cross_entropy")
 
 
 def _shard(rank: int, updates: int = 5, dense: float = 0.0) -> dict:
@@ -78,13 +80,27 @@ def test_cli_prints_one_line(tmp_path, lm_data):
     assert errors == ["fairseq-train: error: --moe-top-k 3 is not supported: use 1 or 2"], proc.stderr[-2000:]
 
 
-def test_generator_is_refused_for_expert_choice_models():
-    """Raised by ``FairseqTask.build_generator`` itself, before any decoder call."""
-    from fairseq.tasks import FairseqTask
+def _tiny_lm(lm_data, router: str):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    choice = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), 8, 16))
+    argv = [str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+            "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
+            "--tokens-per-sample", "16", "--moe-expert-count", "2", "--moe-top-k", "1", "--moe-router", router]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    return task, task.build_model(cfg.model), cfg
+
+
+def test_generator_is_refused_for_expert_choice_models(lm_data):
+    """Raised when fairseq builds the sequence generator, before any decoder call; scoring
+    (``--score-reference``) and token-choice routers are let through."""
+    task, model, cfg = _tiny_lm(lm_data, "expert_choice")
     with pytest.raises(TsConfigError, match="cannot serve autoregressive"):
-        FairseqTask.build_generator(None, [choice], Namespace(score_reference=False))
+        task.build_generator([model], cfg.generation)
+    task.build_generator([model], Namespace(score_reference=True))
+    task, model, cfg = _tiny_lm(lm_data, "xmoe")
+    task.build_generator([model], cfg.generation)
     check_generation([torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="xmoe"), 8, 16))])
 
 
@@ -103,3 +119,67 @@ def test_generate_refuses_expert_choice_before_decoding(tmp_path, mt_data):
     assert not [ln for ln in gen.stdout.splitlines() if ln[:2] in ("S-", "H-", "D-", "P-")]
     errors = [ln for ln in gen.stderr.splitlines() if "error" in ln.lower()]
     assert errors == [f"fairseq-generate: error: {EXPERT_CHOICE_DECODING}"], gen.stderr[-2000:]
+
+
+class _Criterion(torch.nn.Module):
+    pass
+
+
+class _MoECriterion(torch.nn.Module):
+    adds_moe_balance_loss = True
+
+
+@pytest.mark.parametrize("name,suggested", [
+    ("cross_entropy", "use --criterion moe_cross_entropy ("),
+    ("label_smoothed_cross_entropy", "use --criterion moe_label_smoothed_cross_entropy ("),
+    ("masked_lm", "use --criterion moe_masked_lm ("),
+    ("adaptive_loss", "moe_cross_entropy or moe_label_smoothed_cross_entropy or moe_masked_lm"),
+])
+def test_moe_model_with_a_criterion_without_balance_loss(name, suggested):
+    model = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=4), 8, 16))
+    with pytest.raises(TsConfigError, match="without their balance loss") as err:
+        check_balance_loss_criterion(model, _Criterion(), name, Namespace())
+    assert suggested in str(err.value) and "--moe-allow-no-balance-loss" in str(err.value)
+    check_balance_loss_criterion(model, _Criterion(), name, Namespace(moe_allow_no_balance_loss=True))
+    check_balance_loss_criterion(model, _MoECriterion(), "moe_cross_entropy", Namespace())
+    choice = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), 8, 16))
+    check_balance_loss_criterion(choice, _Criterion(), name, Namespace())
+    check_balance_loss_criterion(torch.nn.Linear(2, 2), _Criterion(), name, Namespace())
+
+
+def test_plain_criterion_trains_an_moe_model_when_asked(tmp_path, lm_data):
+    """The refusal itself is a case of the bad-input matrix (tests/reliability/bad_inputs.py)."""
+    run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", *LM_TRAIN,
+         "--moe-expert-count", "2", "--moe-allow-no-balance-loss", "--max-update", "1", "--save-dir", tmp_path,
+         "--disable-validation", "--num-workers", "0"])
+    assert (tmp_path / "checkpoint_last.pt").exists()
+
+
+TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+           "--decoder-attention-heads", "2", "--criterion", "moe_cross_entropy", "--max-update", "1",
+           "--num-workers", "0"]
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--moe-expert-count", "3", "--decoder-ffn-embed-dim", "64"],
+     "--moe-expert-count 3 is not compatible with 2 data-parallel ranks"),
+    (["--moe-expert-count", "2", "--decoder-ffn-embed-dim", "63", "--model-parallel-size", "2",
+      "--ddp-backend", "legacy_ddp"], "FFN dimension (63) is not divisible by --model-parallel-size 2"),
+])
+def test_two_rank_layout_errors_are_one_line(tmp_path, lm_data, flags, expect):
+    """Expert count against the data-parallel ranks and FFN width against the tensor-parallel
+    size: both ranks stop at model construction with one line, nothing written."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *flags,
+         "--save-dir", str(tmp_path / "ck"), "--distributed-world-size", "2", "--distributed-rank", str(rank),
+         "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+         "--distributed-backend", "gloo"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()) for rank in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        assert proc.returncode == 2, err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+        assert expect in last_error_line(done), err[-2000:]
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

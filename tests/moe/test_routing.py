@@ -84,14 +84,88 @@ def test_top1_gate_is_probability():
     assert r.dropped == 0
 
 
-def test_second_expert_sampling_keeps_with_gate_probability():
-    torch.manual_seed(0)
-    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0]]).repeat(20000, 1)
-    r = top_k_routing(probs, 2, capacity_factor=0.0, second_expert_policy="sampling")
-    kept = (r.expert == 1).sum() / 20000
-    assert float(kept) == pytest.approx(2 * 0.3 / 0.9, abs=0.02)
-    r_eval = top_k_routing(probs, 2, 0.0, "sampling", training=False)
-    assert int((r_eval.expert == 1).sum()) == 20000
+def _upstream_top2_masks(logits: torch.Tensor, policy: str, normalize_before: bool):
+    """fairseq MoE branch ``fairseq/modules/moe/top2gate.py`` / TorchScale
+    ``torchscale/component/xmoe/routing.py`` ``top2gating``, transcribed up to the capacity
+    step (no padding, no dropping): the first- and second-expert masks and the combine
+    weights, normalised over both experts as upstream does when nothing is dropped."""
+    gates = torch.softmax(logits, dim=1)
+    num_experts = gates.shape[1]
+    mask1 = F.one_hot(gates.argmax(dim=1), num_experts)
+    if policy == "sampling":
+        gumbel = torch.distributions.gumbel.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample
+        logits_w_noise = logits + gumbel(logits.shape)
+    else:
+        logits_w_noise = logits
+    mask2 = F.one_hot(logits_w_noise.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_experts)
+    gates1_s, gates2_s = (gates * mask1).sum(dim=1), (gates * mask2).sum(dim=1)
+    if normalize_before:
+        denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates1_s.dtype).eps)
+        gates1_s, gates2_s = gates1_s / denom_s, gates2_s / denom_s
+    if policy == "random":
+        sampled = (2 * gates2_s) > torch.rand_like(gates2_s)
+        mask2 = mask2 * sampled.repeat(num_experts, 1).transpose(1, 0)
+    if not normalize_before:
+        gates1_s, gates2_s = (gates * mask1).sum(dim=1), (gates * mask2).sum(dim=1)
+        denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates1_s.dtype).eps)
+        gates1_s, gates2_s = gates1_s / denom_s, gates2_s / denom_s
+    combine = gates1_s.unsqueeze(1) * mask1 + gates2_s.unsqueeze(1) * mask2
+    return mask1, mask2, combine
+
+
+def _our_top2_masks(probs: torch.Tensor, policy: str, normalize_before: bool, training: bool = True):
+    num_tokens, num_experts = probs.shape
+    r = top_k_routing(probs, 2, capacity_factor=0.0, second_expert_policy=policy,
+                      normalize_before_dropping=normalize_before, training=training)
+    assert r.dropped == 0 and torch.equal(r.token[:num_tokens], torch.arange(num_tokens))
+    mask1 = torch.zeros(num_tokens, num_experts, dtype=torch.long)
+    mask1[r.token[:num_tokens], r.expert[:num_tokens]] = 1
+    mask2 = torch.zeros_like(mask1)
+    mask2[r.token[num_tokens:], r.expert[num_tokens:]] = 1
+    combine = torch.zeros(num_tokens, num_experts).index_put((r.token, r.expert), r.gate)
+    return mask1, mask2, combine
+
+
+@pytest.mark.parametrize("policy", ["all", "random", "sampling"])
+@pytest.mark.parametrize("normalize_before", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_second_expert_policies_equal_upstream_top2gating(policy, normalize_before, seed):
+    """Same seed, same draws: the kept second experts and the combine weights are those of
+    upstream ``top2gating`` with the same ``--moe-second-expert-policy``."""
+    logits = torch.randn(256, 8, generator=torch.Generator().manual_seed(seed)) * 2
+    torch.manual_seed(100 + seed)
+    ref1, ref2, ref_combine = _upstream_top2_masks(logits, policy, normalize_before)
+    torch.manual_seed(100 + seed)
+    our1, our2, our_combine = _our_top2_masks(torch.softmax(logits, 1), policy, normalize_before)
+    assert torch.equal(our1, ref1)
+    assert torch.equal(our2, ref2)
+    assert torch.allclose(our_combine, ref_combine, atol=1e-6)
+    kept = int(ref2.sum())
+    if policy == "all":
+        assert kept == 256
+    else:
+        assert 0 < kept <= 256
+    if policy == "sampling":
+        top2 = logits.topk(2, dim=1).indices[:, 1]
+        assert bool((ref2.argmax(1) != top2).any()), "Gumbel sampling must sometimes pick another expert"
+
+
+def test_coin_policy_keeps_the_second_best_with_probability_half():
+    """``coin`` (not upstream): the second-best expert, kept when ``U(0, 1) < 1/2``."""
+    probs = _probs(512, 4, 5)
+    torch.manual_seed(3)
+    keep = torch.rand(512) < 0.5
+    torch.manual_seed(3)
+    _, our2, _ = _our_top2_masks(probs, "coin", False)
+    ref2 = F.one_hot(probs.topk(2, dim=1).indices[:, 1], 4) * keep.unsqueeze(1)
+    assert torch.equal(our2, ref2)
+
+
+@pytest.mark.parametrize("policy", ["random", "sampling", "coin"])
+def test_evaluation_keeps_the_second_best_expert(policy):
+    probs = _probs(64, 4, 6)
+    _, our2, _ = _our_top2_masks(probs, policy, False, training=False)
+    assert torch.equal(our2, F.one_hot(probs.topk(2, dim=1).indices[:, 1], 4))
 
 
 def test_expert_choice_each_expert_takes_its_top_tokens():
@@ -121,7 +195,7 @@ def test_layer_equals_per_token_loop_and_dropped_tokens_are_zero(router, k):
     layer = MoELayer(MoEConfig(expert_count=4, top_k=k, router=router, capacity_factor=0.5,
                                second_expert_policy="all"), 8, 16, subln=True)
     x = torch.randn(2, 12, 8)
-    y = layer(x).reshape(-1, 8)
+    y = layer(x)[0].reshape(-1, 8)
     tokens = x.reshape(-1, 8)
     _, r = layer.route(tokens)
     ref = torch.zeros_like(tokens)
@@ -157,5 +231,5 @@ def test_expert_choice_refuses_incremental_decoding():
 
 def test_eval_never_drops_by_default():
     layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=0.1), 8, 16).eval()
-    layer(torch.randn(4, 16, 8))
-    assert layer.stats.dropped == 0
+    _, aux = layer(torch.randn(4, 16, 8))
+    assert aux.stats.dropped == 0

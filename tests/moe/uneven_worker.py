@@ -15,18 +15,19 @@ def worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torchscale_fairseq.modules.moe.config import MoEConfig
+    from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
 
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0), 8, 16)
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0), 8, 16, parallel=get_expert_parallel(4))
     for length, all_pad in ((5 if rank == 0 else 13, False), (7, rank == 1)):
         x = torch.randn(2, length, 8, requires_grad=True)
         mask = torch.zeros(2, length, dtype=torch.bool)
         mask[:, length - 2:] = True
         if all_pad:
             mask[:] = True
-        y = layer(x, mask)
-        (y.sum() + layer.balance_loss).backward()
+        y, aux = layer(x, mask)
+        (y.sum() + aux.balance_loss).backward()
         assert torch.equal(y[mask], torch.zeros_like(y[mask]))
     dist.barrier()
     dist.destroy_process_group()

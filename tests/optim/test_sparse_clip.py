@@ -11,11 +11,11 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.optim import build_optimizer
-from fairseq.trainer import Trainer
 
 from tests.cli_utils import USER_DIR
 from tests.moe.dist_harness import sample_of
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.integration.trainer import TsTrainer
 from torchscale_fairseq.optim.sparse_clip import SparseClip
 
 
@@ -129,7 +129,7 @@ def test_non_finite_norm_skips_the_update(lm_data):
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
-    trainer = Trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    trainer = TsTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
     d = task.target_dictionary
     sample = sample_of(torch.randint(d.pad() + 1, len(d), (4, 17), generator=torch.Generator().manual_seed(0)))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -140,3 +140,30 @@ def test_non_finite_norm_skips_the_update(lm_data):
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     trainer.train_step([sample])
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def _trainer(lm_data, *extra: str) -> tuple:
+    argv = _train_args(lm_data, "--moe-expert-count", "2", "--criterion", "moe_cross_entropy", "--optimizer",
+                       "sparse_clip", "--clip-norm", "1.0", "--lr", "1e-2", "--max-tokens", "4096", *extra)
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    return TsTrainer(cfg, task, model, task.build_criterion(cfg.criterion)), task, model
+
+
+def test_flag_of_another_optimizer_is_refused_before_training(lm_data):
+    """``--momentum`` belongs to sgd/nag: with ``--sparse-clip-base adam`` it would be ignored."""
+    with pytest.raises(TsConfigError, match="--momentum is a flag of --optimizer (nag|sgd), not of --sparse-clip-base adam"):
+        _trainer(lm_data, "--sparse-clip-base", "adam", "--momentum", "0.9")
+
+
+def test_updates_skipped_in_a_row_stop_training_with_one_line(lm_data):
+    trainer, task, model = _trainer(lm_data, "--sparse-clip-base", "adam", "--max-skipped-updates", "3")
+    d = task.target_dictionary
+    sample = sample_of(torch.randint(d.pad() + 1, len(d), (4, 17), generator=torch.Generator().manual_seed(0)))
+    expert = next(p for p in model.parameters() if getattr(p, "expert", False))
+    expert.register_hook(lambda g: g * float("nan"))
+    trainer.train_step([sample])  # skipped (1), training goes on
+    trainer.train_step([sample])  # skipped (2)
+    with pytest.raises(TsConfigError, match=r"3 updates in a row skipped .*\(after update 0\)"):
+        trainer.train_step([sample])

@@ -3,9 +3,12 @@ modes that run on CPU, and equality with vanilla ``--clip-norm`` at E=1.
 
 The distributed norms (expert-parallel E=4 and data-parallel E=1 replicas, 2 gloo ranks
 vs 1 process) are asserted in ``tests/moe/test_distributed.py``, which trains with
-``--optimizer sparse_clip``. ``--bf16`` (TPU-only in fairseq 0.12) and flattened
-``--fp16`` (``torch.cuda.current_device`` in fairseq's master copy) do not run on CPU;
-the flat master's expert bookkeeping is covered in ``test_sparse_clip.py``.
+``--optimizer sparse_clip``. ``--bf16`` runs on CPU with ``--fp16-no-flatten-grads``
+(fairseq 0.12 makes it a TPU run; the plugin clears that, see
+``integration/bf16_device.py``); flattened ``--fp16`` runs on CPU too (fairseq's flat
+master calls ``torch.cuda.current_device``; ``compat/cpu_mixed_precision.py`` builds it on
+the CPU). Every precision mode against fp32 through ``fairseq-train``:
+``test_mixed_precision.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ MOE = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_e
 SPARSE = ["--optimizer", "sparse_clip", "--sparse-clip-base", "adam"]
 
 
-MODES = [["--memory-efficient-fp16"], ["--fp16", "--fp16-no-flatten-grads"], ["--amp"]]
+MODES = [["--memory-efficient-fp16"], ["--fp16"], ["--fp16", "--fp16-no-flatten-grads"], ["--amp"],
+         ["--bf16", "--fp16-no-flatten-grads"]]
 ONE_EXPERT = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
               "--clip-norm", "0.3"]
 RUNS = [(*MOE, *SPARSE), *[(*MOE, *SPARSE, *mode) for mode in MODES], (*ONE_EXPERT, "--optimizer", "adam"),
@@ -43,7 +47,8 @@ def harness(tmp_path_factory, lm_data):
 def test_precision_modes_take_the_norm_on_unscaled_gradients(harness, mode):
     ref = harness(*MOE, *SPARSE)
     got = harness(*MOE, *SPARSE, *mode)
-    assert got["norms"][0] == pytest.approx(ref["norms"][0], rel=1e-2)
+    # bf16 keeps 8 mantissa bits: its forward differs from fp32 by ~1%, so does the norm
+    assert got["norms"][0] == pytest.approx(ref["norms"][0], rel=3e-2 if "--bf16" in mode else 1e-2)
     for log in got["logged"]:
         dense, expert = log["gnorm_dense"], log["gnorm_expert"]
         assert expert > 0

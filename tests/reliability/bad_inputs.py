@@ -83,6 +83,8 @@ CASES += [
          lambda c: _lm(c, "--moe-expert-count", "2", "--moe-top-k", "3")),
     Case("MoE layer frequency 0", "flags", "--moe-freq 0 must be positive", "positive",
          lambda c: _lm(c, "--moe-expert-count", "2", "--moe-freq", "0")),
+    Case("MoE model with a criterion that ignores the balance loss", "flags", "without their balance loss",
+         "--criterion moe_cross_entropy", lambda c: _lm(c, "--moe-expert-count", "2")),
     Case("tensor-parallel size larger than the world", "flags", "--model-parallel-size 2", "--distributed-world-size",
          lambda c: _lm(c, "--model-parallel-size", "2")),
     Case("consolidating shards of different runs", "checkpoint", "one of", "shards",

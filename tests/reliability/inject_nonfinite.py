@@ -1,7 +1,7 @@
 """Run fairseq-train with NaN gradients injected at one update; print per-step records.
 
 Usage: python inject_nonfinite.py STEP <fairseq-train args...>
-Each ``Trainer.train_step`` call prints ``STEP {json}`` with the update counter, a
+Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
 checksum of the parameters and the fp16 loss scale before and after the call.
 """
 
@@ -9,15 +9,15 @@ import json
 import sys
 
 from fairseq.tasks.fairseq_task import FairseqTask
-from fairseq.trainer import Trainer
 from fairseq_cli.train import cli_main
 
-import torchscale_fairseq  # noqa: F401  (applies the plugin's fixes before fairseq runs)
+import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
+from torchscale_fairseq.integration.trainer import TsTrainer
 
 INJECT_AT = int(sys.argv.pop(1))
 _calls = {"n": 0}
 _task_train_step = FairseqTask.train_step
-_trainer_train_step = Trainer.train_step
+_trainer_train_step = TsTrainer.train_step
 
 
 def task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
@@ -47,7 +47,7 @@ def trainer_train_step(self, samples, raise_oom=False):
 
 
 FairseqTask.train_step = task_train_step
-Trainer.train_step = trainer_train_step
+TsTrainer.train_step = trainer_train_step
 
 if __name__ == "__main__":
     sys.argv[0] = "fairseq-train"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,19 @@ def test_resume_continues_with_next_unseen_batch(tmp_path: Path, task_factory, n
     assert state["epoch"] == 2 and state["iterations_in_epoch"] == 1
 
 
+def test_resume_from_a_version_2_state(tmp_path: Path, task_factory) -> None:
+    """A state written before the per-epoch snapshot (version 2: every rank's position at the
+    saved batch itself, no ``behind``) still resumes with the next unseen batch."""
+    make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
+    full, _ = batches(task_factory(tmp_path), 6)
+    head, state = batches(task_factory(tmp_path), 4, epoch_len=4)  # an epoch end: positions after batch 4
+    assert state["stream"].pop("behind") == 0
+    state.update(version=2, epoch=2, iterations_in_epoch=1)  # batch 4 as the 1st of epoch 2 at 3 per epoch
+    tail, _ = batches(task_factory(tmp_path), 2, state=state)
+    got = [s["target"] for s in head + tail]
+    assert all(torch.equal(a["target"], b) for a, b in zip(full, got)) and len(got) == 6
+
+
 def _save(tmp_path: Path, state: dict) -> Path:
     path = tmp_path / "state.pt"
     torch.save(state, path)
@@ -144,3 +158,20 @@ def test_valid_split_holds_every_token_once(tmp_path: Path, task_factory) -> Non
     tokens = torch.cat([ds[i]["target"] for i in range(len(ds))]).tolist()
     docs = [doc.lines for doc in ShardReader(str(tmp_path / "shard" / "valid" / "00000.txt"))]
     assert tokens == stream_of(docs) and len(docs) == 7
+
+
+def test_data_parallel_resume_from_rank0_state_without_per_batch_gathers(tmp_path: Path, repo_root: Path) -> None:
+    """Two gloo ranks: a checkpoint state taken on rank 0 alone, mid-epoch, resumes *each* rank
+    with its own next unseen batch; the positions are gathered once per epoch, not per batch."""
+    from tests.cli_utils import free_port, run
+    from tests.tasks import dp_resume_worker as worker
+
+    make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
+    out = tmp_path / "result"
+    run([sys.executable, "-m", "tests.tasks.dp_resume_worker", tmp_path, out, free_port()], cwd=repo_root)
+    results = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(worker.WORLD)]
+    for result in results:
+        assert len(result["resumed"]) == len(result["full"]) == worker.FULL
+        assert all(torch.equal(a, b) for a, b in zip(result["full"], result["resumed"]))
+        assert result["gathers"] == worker.FULL // worker.EPOCH_LEN  # one per completed epoch
+    assert not any(torch.equal(a, b) for a, b in zip(results[0]["full"], results[1]["full"]))  # ranks differ

@@ -1,10 +1,14 @@
-"""What one stack (encoder or decoder) of a ts model is made of, read from fairseq args."""
+"""What one stack (encoder or decoder) of a ts model is made of, read from fairseq args;
+handed to every module of the stack (nanoGPT's config object). ``tp_group`` is the
+tensor-parallel group its layers split over, read here, at the edge, from
+:mod:`torchscale_fairseq.model_parallel.process_groups` (``None``: no tensor parallelism)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
 from torchscale_fairseq.modules.feedforward import check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
@@ -31,9 +35,11 @@ class StackConfig:
     max_rel_pos: int = 128
     xpos: bool = False
     checkpoint_activations: bool = False
+    compile_layers: bool = False
     layernorm_eps: float = 1e-5
     share_input_output_embed: bool = False
     moe: Any = None
+    tp_group: Any = None
 
     @classmethod
     def from_args(cls, args: Any, side: str, part: str) -> "StackConfig":
@@ -68,7 +74,9 @@ class StackConfig:
             max_rel_pos=getattr(args, "max_rel_pos", 128),
             xpos=getattr(args, "xpos", False),
             checkpoint_activations=getattr(args, "checkpoint_activations", False),
+            compile_layers=getattr(args, "ts_compile", False),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
             moe=moe_config_from_args(args),
+            tp_group=get_tensor_parallel_group(),
         )

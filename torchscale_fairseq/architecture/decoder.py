@@ -1,5 +1,8 @@
 """Transformer decoder (causal), with optional cross-attention, a per-module KV cache for
-incremental decoding and a vocabulary-parallel output layer."""
+incremental decoding and a vocabulary-parallel output layer, or an adaptive softmax
+(Grave et al. 2017) that the criterion and ``get_normalized_probs`` apply to the features. Its
+extra output carries the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux` under
+``"moe"`` (the encoder's first, then its own)."""
 
 from __future__ import annotations
 
@@ -8,16 +11,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from fairseq.models import FairseqIncrementalDecoder
-from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
-from torchscale_fairseq.architecture.layer import TransformerLayer
+from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.model_parallel.attributes import mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
-from torchscale_fairseq.model_parallel.partition import mark_vocab_padded
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
-from torchscale_fairseq.model_parallel.random import checkpoint_context
+from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -26,27 +27,32 @@ _STEP_KEY = "ts_decoder_step"
 
 class TransformerDecoder(FairseqIncrementalDecoder):
     def __init__(
-        self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, cross_attention: bool = True, layer_factory=None
+        self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, cross_attention: bool = True,
+        adaptive_softmax: Optional[nn.Module] = None,
     ) -> None:
+        """``adaptive_softmax`` (fairseq's ``AdaptiveSoftmax``): replaces the output projection;
+        ``forward`` then returns the final features, as fairseq's ``TransformerDecoder`` does."""
         super().__init__(dictionary)
         self.cfg = cfg
         self.padding_idx = dictionary.pad()
         self.vocab_size = len(dictionary)
         self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        build = layer_factory or (
-            lambda i: TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}"))
-        )
-        self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
+        self.layers = nn.ModuleList([
+            wrap_layer(TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")), cfg)
+            for i in range(cfg.layers)
+        ])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
         self.rel_pos = (
-            RelativePositionBias(cfg.attention_heads, False, cfg.rel_pos_buckets, cfg.max_rel_pos)
+            RelativePositionBias(cfg.attention_heads, False, cfg.rel_pos_buckets, cfg.max_rel_pos, cfg.tp_group)
             if cfg.rel_pos_buckets > 0 else None
         )
+        self.adaptive_softmax = adaptive_softmax
         self.output_projection = None
-        if not cfg.share_input_output_embed:
+        if adaptive_softmax is None and not cfg.share_input_output_embed:
             self.output_projection = ColumnParallelLinear(
                 cfg.embed_dim, embed_tokens.padded_num_embeddings, bias=False,
                 init_method=real_rows_normal_init(self.vocab_size, cfg.embed_dim**-0.5), what="vocabulary size",
+                tp_group=cfg.tp_group,
             )
             mark_vocab_padded(self.output_projection.weight, self.vocab_size)
 
@@ -94,31 +100,39 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             mask = encoder_out["encoder_padding_mask"][0] if encoder_out.get("encoder_padding_mask") else None
             memory_mask = mask if mask is not None and bool(mask.any()) else None
         states = [x] if return_all_hiddens else []
+        moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
         for layer in self.layers:
-            if self.cfg.checkpoint_activations and self.training and incremental_state is None:
-                x = checkpoint(layer, x, padding_mask, True, bias, memory, memory_mask, use_reentrant=False,
-                               context_fn=checkpoint_context)
-            else:
-                x = layer(
-                    x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
-                    memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
-                )
+            x, aux = layer(
+                x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
+                memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
+            )
+            if aux is not None:
+                moe.append(aux)
             if return_all_hiddens:
                 states.append(x)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        return x, {"attn": [None], "inner_states": states}
+        return x, {"attn": [None], "inner_states": states, "moe": moe}
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits over this rank's vocabulary slice (the whole vocabulary at size 1)."""
-        return parallel_logits(features, self.output_weight)
+        """Logits over this rank's vocabulary slice (the whole vocabulary at size 1); the
+        features themselves under an adaptive softmax (it projects them per cluster)."""
+        if self.adaptive_softmax is not None:
+            return features
+        return parallel_logits(features, self.output_weight, self.cfg.tp_group)
 
     def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
         """(Log-)probabilities over the real vocabulary; tensor-parallel slices are gathered
-        and the padded vocabulary entries dropped, so they are never predicted."""
+        and the padded vocabulary entries dropped, so they are never predicted. Under an adaptive
+        softmax, log p(w) = log p(cluster(w)) + log p(w | cluster), for every word or, given
+        ``sample["target"]``, only for the clusters of the targets (fairseq's ``get_log_prob``)."""
+        if self.adaptive_softmax is not None:
+            target = sample["target"] if sample is not None else None
+            log_p = self.adaptive_softmax.get_log_prob(net_output[0], target=target)
+            return log_p if log_probs else log_p.exp()
         logits = net_output[0]
-        if get_tensor_parallel_world_size() > 1:
-            logits = gather_from_tensor_parallel_region(logits)
+        if group_size(self.cfg.tp_group) > 1:
+            logits = gather_from_tensor_parallel_region(logits, self.cfg.tp_group)
         if logits.size(-1) != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         logits = logits.float()

@@ -11,12 +11,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchscale_fairseq.architecture.config import StackConfig
-from torchscale_fairseq.model_parallel.layers import VocabParallelEmbedding
+from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, VocabParallelEmbedding
 from torchscale_fairseq.modules.positions import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
 
-def build_token_embedding(num_embeddings: int, embed_dim: int, padding_idx: int) -> VocabParallelEmbedding:
-    return VocabParallelEmbedding(num_embeddings, embed_dim, padding_idx)
+def build_token_embedding(num_embeddings: int, embed_dim: int, padding_idx: int,
+                          tp_group: TensorParallelGroup = None) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(num_embeddings, embed_dim, padding_idx, tp_group)
 
 
 class InputEmbedding(nn.Module):

@@ -1,4 +1,5 @@
-"""Transformer encoder (bidirectional). Output is batch-first: ``encoder_out`` (B, S, C)."""
+"""Transformer encoder (bidirectional). Output is batch-first: ``encoder_out`` (B, S, C);
+``moe`` holds the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux`."""
 
 from __future__ import annotations
 
@@ -7,27 +8,26 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 from fairseq.models import FairseqEncoder
-from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
-from torchscale_fairseq.architecture.layer import TransformerLayer
-from torchscale_fairseq.model_parallel.random import checkpoint_context
+from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
 
 class TransformerEncoder(FairseqEncoder):
-    def __init__(self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, layer_factory=None) -> None:
+    def __init__(self, cfg: StackConfig, dictionary, embed_tokens: nn.Module) -> None:
         super().__init__(dictionary)
         self.cfg = cfg
         self.padding_idx = dictionary.pad()
         self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        build = layer_factory or (lambda i: TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")))
-        self.layers = nn.ModuleList([build(i) for i in range(cfg.layers)])
+        self.layers = nn.ModuleList([
+            wrap_layer(TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")), cfg) for i in range(cfg.layers)
+        ])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
         self.rel_pos = (
-            RelativePositionBias(cfg.attention_heads, True, cfg.rel_pos_buckets, cfg.max_rel_pos)
+            RelativePositionBias(cfg.attention_heads, True, cfg.rel_pos_buckets, cfg.max_rel_pos, cfg.tp_group)
             if cfg.rel_pos_buckets > 0 else None
         )
 
@@ -46,12 +46,11 @@ class TransformerEncoder(FairseqEncoder):
         bias = self.rel_pos(x.size(1), x.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
         states = [x] if return_all_hiddens else []
+        moe = []
         for layer in self.layers:
-            if self.cfg.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, mask, False, bias, use_reentrant=False,
-                               context_fn=checkpoint_context)
-            else:
-                x = layer(x, padding_mask=mask, self_attn_bias=bias)
+            x, aux = layer(x, padding_mask=mask, self_attn_bias=bias)
+            if aux is not None:
+                moe.append(aux)
             if return_all_hiddens:
                 states.append(x)
         if self.layer_norm is not None:
@@ -62,6 +61,7 @@ class TransformerEncoder(FairseqEncoder):
             "encoder_states": states,
             "src_tokens": [],
             "src_lengths": [src_lengths] if src_lengths is not None else [],
+            "moe": moe,
         }
 
     def reorder_encoder_out(self, encoder_out: Dict[str, List], new_order: torch.Tensor) -> Dict[str, List]:

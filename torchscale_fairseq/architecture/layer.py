@@ -1,5 +1,11 @@
 """One transformer layer (self-attention, optional cross-attention, FFN) under any backbone:
-Pre-LN/Magneto ``x + f(LN(x))``, Post-LN ``LN(x + f(x))``, DeepNorm ``LN(alpha x + f(x))``."""
+Pre-LN/Magneto ``x + f(LN(x))``, Post-LN ``LN(x + f(x))``, DeepNorm ``LN(alpha x + f(x))``.
+
+The forward returns the output and the MoE layer's
+:class:`~torchscale_fairseq.modules.moe.balance.MoEAux` (``None`` for a dense FFN). A layer
+built with ``checkpoint_activations`` recomputes its activations in backward
+(non-reentrant ``torch.utils.checkpoint``; the tensor-parallel RNG streams are replayed so
+dropout draws the same masks) when training without a decoding cache."""
 
 from __future__ import annotations
 
@@ -8,9 +14,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.model_parallel.random import checkpoint_context
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
+from torchscale_fairseq.modules.moe.balance import MoEAux
+from torchscale_fairseq.modules.moe.layer import MoELayer
 from torchscale_fairseq.modules.multihead_attention import IncrementalState, MultiheadAttention
 
 
@@ -48,7 +58,8 @@ class TransformerLayer(nn.Module):
         self.normalize_before = b.normalize_before
         self.alpha = b.alpha
         self.dropout = cfg.dropout
-        attn_kwargs = dict(dropout=cfg.attention_dropout, subln=b.subln, gain=b.gain, layernorm_eps=cfg.layernorm_eps)
+        attn_kwargs = dict(dropout=cfg.attention_dropout, subln=b.subln, gain=b.gain, layernorm_eps=cfg.layernorm_eps,
+                           tp_group=cfg.tp_group)
         self.self_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, xpos=cfg.xpos, **attn_kwargs)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.cross_attn = None
@@ -56,9 +67,11 @@ class TransformerLayer(nn.Module):
             self.cross_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, self_attention=False, **attn_kwargs)
             self.cross_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.ffn = ffn if ffn is not None else FeedForwardNetwork(
-            cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain, cfg.layernorm_eps
+            cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain, cfg.layernorm_eps,
+            cfg.tp_group,
         )
         self.final_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+        self.checkpoint_activations = cfg.checkpoint_activations
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn) -> torch.Tensor:
         if self.normalize_before:
@@ -76,7 +89,24 @@ class TransformerLayer(nn.Module):
         memory_padding_mask: Optional[torch.Tensor] = None,
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Optional[MoEAux]]:
+        if self.checkpoint_activations and self.training and incremental_state is None:
+            return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
+                              use_reentrant=False, context_fn=checkpoint_context)
+        return self._forward(x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
+                             incremental_state, offset)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: Optional[torch.Tensor],
+        causal: bool,
+        self_attn_bias: Optional[torch.Tensor],
+        memory: Optional[torch.Tensor],
+        memory_padding_mask: Optional[torch.Tensor],
+        incremental_state: Optional[IncrementalState] = None,
+        offset: int = 0,
+    ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
             h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
             incremental_state=incremental_state, offset=offset,
@@ -85,8 +115,23 @@ class TransformerLayer(nn.Module):
             x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(
                 h, memory=memory, key_padding_mask=memory_padding_mask, incremental_state=incremental_state,
             ))
-        ffn = self.ffn
-        if getattr(ffn, "takes_padding_mask", False):
-            incremental = incremental_state is not None
-            return self._sublayer(x, self.final_layer_norm, lambda h: ffn(h, padding_mask, incremental))
-        return self._sublayer(x, self.final_layer_norm, ffn)
+        if not isinstance(self.ffn, MoELayer):
+            return self._sublayer(x, self.final_layer_norm, self.ffn), None
+        aux: list[MoEAux] = []
+
+        def moe(h: torch.Tensor) -> torch.Tensor:
+            y, layer_aux = self.ffn(h, padding_mask, incremental_state is not None)
+            aux.append(layer_aux)
+            return y
+
+        return self._sublayer(x, self.final_layer_norm, moe), aux[0]
+
+
+def wrap_layer(layer: nn.Module, cfg: StackConfig) -> nn.Module:
+    """The layer as its stack runs it: with ``cfg.compile_layers`` (``--ts-compile``) its
+    forward is compiled in place by ``torch.compile`` (regional compilation: one graph per
+    layer, reused by the layers of the same shape, so compile time does not grow with depth).
+    Compiled in place, parameter names and checkpoints are those of the eager layer."""
+    if cfg.compile_layers:
+        layer.compile()
+    return layer

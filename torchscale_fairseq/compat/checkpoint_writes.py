@@ -1,10 +1,11 @@
-"""Checkpoint files are never left half-written.
+"""Upstream bug (fairseq 0.12.2, fairseq-fixed 0.12.3.1): checkpoint copies are not atomic.
 
 fairseq saves the first checkpoint of a round atomically (``.tmp`` + rename) but then
-*copies* it onto ``checkpoint_last.pt`` / ``checkpoint_best.pt`` in place, so a kill
-during the copy corrupts them. We make the copy atomic too (copy to ``.tmp``, then
-``os.replace``). A failed write (disk full, read-only directory) removes its ``.tmp``
-and stops with one line naming the file and the fix; the previous checkpoints stay.
+*copies* it onto ``checkpoint_last.pt`` / ``checkpoint_best.pt`` in place with
+``PathManager.copy``, so a kill during the copy corrupts them. We make the copy atomic
+too (copy to ``.tmp``, then ``os.replace``). A failed copy (disk full, read-only
+directory) removes its ``.tmp`` and stops with one line naming the file and the fix;
+the previous checkpoints stay. (The first write's errors are handled by the trainer.)
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 
-from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
 from torchscale_fairseq.errors import TsConfigError
 
-_stock_persistent_save = checkpoint_utils.torch_persistent_save
 _stock_copy = PathManager.copy
 
 
@@ -33,34 +32,24 @@ def atomic_copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
         shutil.copyfile(src_path, tmp)
         os.replace(tmp, dst_path)
     except OSError as e:
-        _remove(tmp)
-        raise _write_error(dst_path, e) from e
+        remove_if_present(tmp)
+        raise checkpoint_write_error(dst_path, e) from e
     return True
 
 
-def _remove(path: str) -> None:
+def remove_if_present(path: str) -> None:
     try:
         os.remove(path)
     except OSError:
         pass
 
 
-def _write_error(path: str, e: OSError) -> TsConfigError:
+def checkpoint_write_error(path: str, e: OSError) -> TsConfigError:
     return TsConfigError(
         f"cannot write checkpoint {path}: {e.strerror or e}; free space or point --save-dir at a writable "
         "directory (the previous checkpoints are unchanged)"
     )
 
 
-def persistent_save(obj, filename: str, async_write: bool = False) -> None:
-    try:
-        _stock_persistent_save(obj, filename, async_write)
-    except OSError as e:
-        if _local(filename):
-            _remove(f"{filename}.tmp")
-        raise _write_error(filename, e) from e
-
-
 def patch_checkpoint_writes() -> None:
     PathManager.copy = staticmethod(atomic_copy)
-    checkpoint_utils.torch_persistent_save = persistent_save

@@ -1,4 +1,4 @@
-"""Multi-process training on CPU with stock fairseq.
+"""Upstream bugs (fairseq 0.12.2, fairseq-fixed 0.12.3.1): multi-process training on CPU.
 
 - ``torchrun`` sets ``MASTER_ADDR/PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``. Stock
   fairseq ignores them when ``--distributed-world-size`` is left at its default (the

@@ -1,6 +1,7 @@
-"""fairseq 0.12 uses ``np.compat.long`` (token blocks with ``--sample-break-mode eos``,
-which the LM hub's ``generate()`` always uses; bucketed language-pair batches), and
-NumPy 2 removed ``numpy.compat``. We provide the one name fairseq needs."""
+"""Upstream bug (fairseq 0.12.2, fairseq-fixed 0.12.3.1, with NumPy >= 2): fairseq uses
+``np.compat.long`` (token blocks with ``--sample-break-mode eos``, which the LM hub's
+``generate()`` always uses; bucketed language-pair batches), and NumPy 2 removed
+``numpy.compat``. We provide the one name fairseq needs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Checkpoints load with ``torch.load(weights_only=True)`` (the default since PyTorch 2.6).
+"""Upstream incompatibility (fairseq 0.12.2, fairseq-fixed 0.12.3.1 with PyTorch >= 2.6):
+checkpoints load with ``torch.load(weights_only=True)``, the default since PyTorch 2.6.
 
 fairseq stores a few plain Python/NumPy objects besides tensors (``argparse.Namespace``
 in older-style configs, NumPy scalars in meters and ``best_*`` values) and, when it sends a

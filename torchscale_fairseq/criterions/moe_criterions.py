@@ -1,29 +1,21 @@
-"""``moe_cross_entropy``, ``moe_label_smoothed_cross_entropy``, ``moe_masked_lm``: the
-registered ``cross_entropy``, ``label_smoothed_cross_entropy`` and ``masked_lm`` (their
-flags, and the vocabulary-parallel versions when those are installed first) plus
-``--moe-gate-loss-wt`` times the balance loss (:mod:`.moe_terms`)."""
+"""``moe_cross_entropy``, ``moe_label_smoothed_cross_entropy``, ``moe_masked_lm``:
+fairseq's ``cross_entropy``, ``label_smoothed_cross_entropy`` and ``masked_lm`` (their
+flags; computed vocabulary-parallel under tensor parallelism, :mod:`.vocab_parallel`)
+plus ``--moe-gate-loss-wt`` times the balance loss (:mod:`.moe_terms`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass
 
-from fairseq.criterions import (
-    CRITERION_DATACLASS_REGISTRY,
-    CRITERION_REGISTRY,
-    register_criterion,
-)
+from fairseq.criterions import CRITERION_DATACLASS_REGISTRY, register_criterion
 
-from torchscale_fairseq.criterions.moe_terms import add_moe_terms, reduce_moe_metrics
-
-BASES = {
-    "moe_cross_entropy": "cross_entropy",
-    "moe_label_smoothed_cross_entropy": "label_smoothed_cross_entropy",
-    "moe_masked_lm": "masked_lm",
-}
+from torchscale_fairseq.criterions import vocab_parallel
+from torchscale_fairseq.criterions.balance_check import BASES
+from torchscale_fairseq.criterions.moe_terms import OutputRecorder, add_moe_terms, moe_outputs, reduce_moe_metrics
 
 
 def _make(name: str, base_name: str) -> type:
-    base = CRITERION_REGISTRY[base_name]
+    base = vocab_parallel.REPLACEMENTS[base_name]
     base_cfg = CRITERION_DATACLASS_REGISTRY[base_name]
     cfg_cls = dataclass(make_dataclass(
         f"{base_cfg.__name__}Moe",
@@ -37,8 +29,10 @@ def _make(name: str, base_name: str) -> type:
         return criterion
 
     def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = base.forward(self, model, sample, reduce)
-        loss = add_moe_terms(model, name, self.moe_gate_loss_wt, loss, sample_size, logging_output)
+        recorder = OutputRecorder(model)
+        loss, sample_size, logging_output = base.forward(self, recorder, sample, reduce)
+        layers = moe_outputs(recorder.outputs[-1], name)
+        loss = add_moe_terms(layers, self.moe_gate_loss_wt, loss, sample_size, logging_output)
         return loss, sample_size, logging_output
 
     def reduce_metrics(cls, logging_outputs) -> None:
@@ -47,7 +41,7 @@ def _make(name: str, base_name: str) -> type:
 
     cls = type(
         f"Moe{base.__name__}", (base,),
-        {"build_criterion": classmethod(build_criterion), "forward": forward,
+        {"build_criterion": classmethod(build_criterion), "forward": forward, "adds_moe_balance_loss": True,
          "reduce_metrics": classmethod(reduce_metrics), "__doc__": f"``{base_name}`` plus the MoE balance loss."},
     )
     return register_criterion(name, dataclass=cfg_cls)(cls)

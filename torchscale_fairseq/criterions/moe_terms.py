@@ -3,9 +3,13 @@
 ``loss = base + w * S * sum_l L_l`` with ``w`` = ``--moe-gate-loss-wt`` (paper: 0.01),
 ``L_l`` the balance loss of MoE layer ``l`` and ``S`` the sample size of the global
 batch (fairseq divides the summed gradients by it, so the balance term keeps weight
-``w`` whatever the batch). Under expert parallelism ``L_l`` is this rank's share of the
-global-batch loss (:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed
-over the data-parallel ranks. The reported ``loss``/``ppl`` stay the base ones;
+``w`` whatever the batch). With ``--moe-balance-scope local`` (default) ``L_l`` and ``S``
+are this rank's, as in fairseq's MoE branch; with ``global`` ``L_l`` is this rank's share of
+the data-parallel group's loss (:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is
+summed over the group. The MoE layers return their ``L_l`` and statistics
+(:class:`~torchscale_fairseq.modules.moe.balance.MoEAux`) and the model passes them up in
+its extra output under ``"moe"``; the criterion reads them from the output the model
+returned to its base loss (:class:`OutputRecorder`). The reported ``loss``/``ppl`` stay the base ones;
 ``moe_gate_loss`` (``sum_l L_l``), per-layer expert load CV (``moe_cv_<layer>``),
 ``moe_drop`` (fraction of dropped assignments) and ``moe_entropy`` (mean routing
 entropy per token, nats) are logged beside them.
@@ -19,42 +23,53 @@ import torch
 import torch.distributed as dist
 from fairseq.logging import metrics
 
-from torchscale_fairseq.architecture.layer import TransformerLayer
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.modules.moe.layer import MoELayer
+from torchscale_fairseq.modules.moe.balance import MoEAux
 
 
-def moe_layers(model: torch.nn.Module, criterion: str) -> list[MoELayer]:
-    """The MoE layers of a ts model (none for a dense one); error for other models."""
-    layers, aware = [], False
-    for module in model.modules():
-        aware = aware or isinstance(module, TransformerLayer)
-        if isinstance(module, MoELayer):
-            layers.append(module)
-    if not aware:
+class OutputRecorder:
+    """The model as a base criterion sees it, keeping what each of its calls returned."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.outputs: list[Any] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        self.outputs.append(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def moe_outputs(net_output: Any, criterion: str) -> list[MoEAux]:
+    """The MoE layers' outputs in a model's extra output (empty for a dense ts model);
+    one-line error for a model that does not report them."""
+    extra = net_output[1] if isinstance(net_output, (tuple, list)) and len(net_output) > 1 else None
+    if not isinstance(extra, dict) or "moe" not in extra:
         raise TsConfigError(
             f"--criterion {criterion} needs a model with MoE-aware outputs (ts_lm, ts_transformer, ts_mlm); "
-            f"{type(model).__name__} has none: use a ts model or the plain criterion"
+            f"this model reports none: use a ts model or the plain criterion"
         )
-    return layers
+    return extra["moe"]
 
 
-def _global_sample_size(layers: list[MoELayer], sample_size: Any) -> torch.Tensor:
+def _balance_sample_size(layers: list[MoEAux], sample_size: Any) -> torch.Tensor:
     size = torch.as_tensor(sample_size, dtype=torch.float32).clone()
-    group = layers[0].parallel.data_parallel_group if layers else None
+    group = layers[0].data_parallel_group if layers else None
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(size, group=group)
     return size
 
 
-def add_moe_terms(model: torch.nn.Module, criterion: str, weight: float, loss: torch.Tensor,
-                  sample_size: Any, logging_output: dict) -> torch.Tensor:
+def add_moe_terms(layers: list[MoEAux], weight: float, loss: torch.Tensor, sample_size: Any,
+                  logging_output: dict) -> torch.Tensor:
     """``loss + w * S * sum_l L_l``; fills ``logging_output`` with the MoE figures."""
-    layers = [m for m in moe_layers(model, criterion) if m.balance_loss is not None]
     if not layers:
         logging_output["moe_gate_loss"] = 0.0
         return loss
-    total = _global_sample_size(layers, sample_size)
+    total = _balance_sample_size(layers, sample_size)
     gate = torch.stack([m.balance_loss for m in layers]).sum()
     logging_output["moe_gate_loss"] = float(gate.detach()) * float(total)
     logging_output["moe_layers"] = 1

@@ -24,6 +24,7 @@ from torchscale_fairseq.model_parallel.cross_entropy import (
 )
 from torchscale_fairseq.model_parallel.layers import padded_vocab_size
 from torchscale_fairseq.model_parallel.process_groups import (
+    get_tensor_parallel_group,
     get_tensor_parallel_world_size,
 )
 
@@ -44,7 +45,7 @@ class CrossEntropyCriterion(cross_entropy.CrossEntropyCriterion):
             return super().compute_loss(model, net_output, sample, reduce)
         logits = net_output[0]
         target = model.get_targets(sample, net_output)
-        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary)).nll
+        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary), get_tensor_parallel_group()).nll
         nll = nll.masked_fill(target.eq(self.padding_idx), 0.0).view(-1)
         loss = _sum_or_keep(nll, reduce)
         return loss, loss
@@ -60,7 +61,8 @@ class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoot
             target = target[:, self.ignore_prefix_size :]
         target = target.reshape(-1)
         vocab = len(self.task.target_dictionary)
-        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab), target, vocab
+        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab, get_tensor_parallel_group())
+        return losses, target, vocab
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         if not _tensor_parallel():
@@ -103,7 +105,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
         if masked_tokens is not None:
             targets = targets[masked_tokens]
         targets = targets.reshape(-1)
-        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab).nll
+        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab, get_tensor_parallel_group()).nll
         loss = nll.masked_fill(targets.eq(self.padding_idx), 0.0).sum()
         logging_output = {
             "loss": loss.data,
@@ -114,7 +116,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
         return loss, sample_size, logging_output
 
 
-_REPLACEMENTS = {
+REPLACEMENTS = {
     "cross_entropy": CrossEntropyCriterion,
     "label_smoothed_cross_entropy": LabelSmoothedCrossEntropyCriterion,
     "masked_lm": MaskedLmLoss,
@@ -123,5 +125,5 @@ _REPLACEMENTS = {
 
 def install() -> None:
     """Point fairseq's registry entries at the vocabulary-parallel subclasses (idempotent)."""
-    for name, cls in _REPLACEMENTS.items():
+    for name, cls in REPLACEMENTS.items():
         criterions.CRITERION_REGISTRY[name] = cls

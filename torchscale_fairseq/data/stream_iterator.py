@@ -1,9 +1,16 @@
 """Epoch iterator over an :class:`LMBlockStream` whose ``state_dict`` holds the exact stream position.
 
-An epoch is ``batches_per_epoch`` batches; the stream itself never restarts. The position
-is taken from the batches handed to the trainer (not from what the loader workers have
-prefetched), and gathered from every data-parallel rank, so the checkpoint written by
-rank 0 lets every rank continue with its next unseen batch.
+An epoch is ``batches_per_epoch`` batches; the stream itself never restarts. Positions are
+counted in batches handed to the trainer (not what the loader workers have prefetched).
+
+The checkpoint is written by data-parallel rank 0 alone, yet every rank must resume with its
+own next unseen batch. So every rank keeps a *snapshot* of all ranks' stream positions and
+the number of batches it has handed out since (``behind``); the same on every rank, since all
+ranks hand out batches in step. The snapshot is refreshed by one ``all_gather_object`` per
+epoch, when the epoch's last batch is handed out (and starts as the initial positions or the
+loaded checkpoint's). A checkpoint holds the snapshot and ``behind``; on resume each rank
+restores its position from the snapshot and reads ``behind`` batches again, discarding them
+(at most one epoch of loading; none after an end-of-epoch checkpoint).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 def _gather_dp(mine: dict, dp_rank: int, known: list[dict]) -> list[dict]:
-    """The stream state of every data-parallel rank (only this rank's is refreshed without a process group)."""
+    """The stream state of every data-parallel rank (only this rank's is refreshed without a process group).
+
+    A collective: every data-parallel rank calls it at the same batch."""
     if len(known) == 1 or not dist.is_initialized():
         return [mine if r == dp_rank else state for r, state in enumerate(known)]
     out: list = [None] * len(known)
@@ -42,6 +51,7 @@ class StreamEpochBatchIterator(EpochBatchIterating):
         self.epoch = max(epoch, 1)
         self.shuffle = True
         self._rank_states = [{"readers": copy.deepcopy(dataset.states), "next_reader": 0}] * dataset.dp_size
+        self._behind = 0  # batches handed out since the positions in ``_rank_states``
         self._cur_epoch_itr: CountingIterator | None = None
         self._source: Iterator[dict] | None = None
         self._resume_offset: int | None = None
@@ -82,21 +92,32 @@ class StreamEpochBatchIterator(EpochBatchIterating):
             self._source = None
 
     def _batches(self, n: int) -> Iterator[dict]:
-        mine = self._rank_states[self.dataset.dp_rank]
+        """This rank's next ``n`` batches, the last of them ending the epoch. Reading starts at the
+        snapshot; the ``_behind`` batches already handed out since are read again and discarded."""
+        mine = copy.deepcopy(self._rank_states[self.dataset.dp_rank])
         self.dataset.states = copy.deepcopy(mine["readers"])
         self.dataset.first = mine["next_reader"]
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=None, num_workers=self.num_workers, persistent_workers=False
         )
         it = iter(loader)
+
+        def advance() -> dict:
+            sample = next(it)
+            local, state = sample.pop("stream_state")
+            mine["readers"][local] = state
+            mine["next_reader"] = (local + 1) % self.dataset.n_local
+            return sample
+
         try:
-            for _ in range(n):
-                sample = next(it)
-                local, state = sample.pop("stream_state")
-                mine = copy.deepcopy(mine)
-                mine["readers"][local] = state
-                mine["next_reader"] = (local + 1) % self.dataset.n_local
-                self._rank_states = _gather_dp(mine, self.dataset.dp_rank, self._rank_states)
+            for _ in range(self._behind):
+                advance()
+            for i in range(n):
+                sample = advance()
+                self._behind += 1
+                if i == n - 1:  # the epoch's last batch: every rank is here; refresh the snapshot
+                    self._rank_states = _gather_dp(copy.deepcopy(mine), self.dataset.dp_rank, self._rank_states)
+                    self._behind = 0
                 yield sample
         finally:
             shutdown = getattr(it, "_shutdown_workers", None)
@@ -109,13 +130,14 @@ class StreamEpochBatchIterator(EpochBatchIterating):
         else:
             epoch, iterations = self.epoch, self.iterations_in_epoch
         return {
-            "version": 2,
+            "version": 3,
             "epoch": epoch,
             "iterations_in_epoch": iterations,
             "shuffle": self.shuffle,
             "stream": {
                 "layout": [self.dataset.dp_size, self.dataset.n_local, len(self.dataset.corpora)],
                 "ranks": copy.deepcopy(self._rank_states),
+                "behind": self._behind,
             },
         }
 
@@ -137,3 +159,4 @@ class StreamEpochBatchIterator(EpochBatchIterating):
                 "use the same settings, or --reset-dataloader to restart the stream"
             )
         self._rank_states = copy.deepcopy(stream["ranks"])
+        self._behind = stream.get("behind", 0)  # version 2 held every rank's position at the batch itself

@@ -22,12 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from torchscale_fairseq.model_parallel.mappings import log_collective
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_group,
-    get_tensor_parallel_rank,
-    get_tensor_parallel_world_size,
-)
+from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
 
 
 class VocabParallelLoss(NamedTuple):
@@ -38,23 +33,22 @@ class VocabParallelLoss(NamedTuple):
     target_is_max: torch.Tensor
 
 
-def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-    if get_tensor_parallel_world_size() > 1:
-        log_collective("cross_entropy", "forward", x)
-        dist.all_reduce(x, op=op, group=get_tensor_parallel_group())
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None):
         local_v = logits.size(-1)
-        start = get_tensor_parallel_rank() * local_v
+        start = group_rank(group) * local_v
         valid = torch.arange(start, start + local_v, device=logits.device) < vocab_size
         z = logits.float()
         if not bool(valid.all()):
             z = z.masked_fill(~valid, float("-inf"))
-        m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX)
+        m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
         shifted = z - m.unsqueeze(-1)
         exp = shifted.exp()
         local_t = target - start
@@ -63,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack(
             [exp.sum(-1), picked.masked_fill(~in_range, 0.0), shifted.masked_fill(~valid, 0.0).sum(-1)]
         )
-        sum_exp, target_shifted, sum_shifted = _all_reduce(sums, dist.ReduceOp.SUM).unbind(0)
+        sum_exp, target_shifted, sum_shifted = _all_reduce(sums, dist.ReduceOp.SUM, group).unbind(0)
         log_z = sum_exp.log()
         nll = log_z - target_shifted
         smooth = vocab_size * log_z - sum_shifted
@@ -84,13 +78,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = grad - valid.to(grad.dtype) * grad_smooth
         onehot = torch.zeros_like(grad).scatter_(-1, local_t.clamp(0, grad.size(-1) - 1).unsqueeze(-1), 1.0)
         grad = grad - onehot * in_range.unsqueeze(-1).to(grad.dtype) * grad_nll
-        return grad.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int) -> VocabParallelLoss:
-    """Per-token losses of this rank's logit slice ``logits`` (``(..., V_p / N)``) against
-    global ``target`` ids (``(...)``); ``vocab_size`` = the real (unpadded) ``V``."""
-    return VocabParallelLoss(*_VocabParallelCrossEntropy.apply(logits, target, vocab_size))
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None
+) -> VocabParallelLoss:
+    """Per-token losses of this rank's logit slice ``logits`` (``(..., V_p / N)``, N ranks in
+    ``tp_group``) against global ``target`` ids (``(...)``); ``vocab_size`` = the real ``V``."""
+    return VocabParallelLoss(*_VocabParallelCrossEntropy.apply(logits, target, vocab_size, tp_group))
 
 
 def label_smoothed_loss(

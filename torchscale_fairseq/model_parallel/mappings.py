@@ -1,150 +1,101 @@
-"""Autograd communication ops of Megatron-LM (paper section 3, Figure 3).
+"""Autograd communication ops of Megatron-LM (paper section 3, Figure 3), each over the
+tensor-parallel ``group`` it is given (``None``: a group of one, where every op is the
+identity).
 
 ``f`` = :func:`copy_to_tensor_parallel_region` (identity forward, all-reduce backward)
 and ``g`` = :func:`reduce_from_tensor_parallel_region` (all-reduce forward, identity
-backward); plus scatter/gather along the last dimension and a sum all-reduce whose
-backward is also an all-reduce (for statistics every rank consumes, e.g. sharded
-LayerNorm moments). All are identities at tensor-parallel size 1.
-
-Every collective is recorded in :data:`COLLECTIVES` while :func:`record_collectives`
-is active, so tests can count them and their sizes.
+backward); a gather along the last dimension (split backward); and a sum all-reduce
+whose backward is also an all-reduce (for statistics every rank consumes, e.g. sharded
+LayerNorm moments).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_group,
-    get_tensor_parallel_rank,
-    get_tensor_parallel_world_size,
-)
-
-COLLECTIVES: list[tuple[str, str, int]] | None = None
+from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
 
 
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
-    """Record ``(op, direction, numel)`` of every tensor-parallel collective."""
-    global COLLECTIVES
-    previous, COLLECTIVES = COLLECTIVES, []
-    try:
-        yield COLLECTIVES
-    finally:
-        COLLECTIVES = previous
-
-
-def log_collective(op: str, direction: str, tensor: torch.Tensor) -> None:
-    """Record one collective (no-op unless :func:`record_collectives` is active)."""
-    if COLLECTIVES is not None:
-        COLLECTIVES.append((op, direction, tensor.numel()))
-
-
-def _all_reduce(x: torch.Tensor, op: str, direction: str) -> torch.Tensor:
-    if get_tensor_parallel_world_size() == 1:
-        return x
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    log_collective(op, direction, x)
-    dist.all_reduce(x, group=get_tensor_parallel_group())
+    dist.all_reduce(x, group=group)
     return x
 
 
-def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
-    n = get_tensor_parallel_world_size()
-    if n == 1:
-        return x
-    return x.chunk(n, dim=-1)[get_tensor_parallel_rank()].contiguous()
+def _split_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.chunk(group_size(group), dim=-1)[group_rank(group)].contiguous()
 
 
-def _gather_last_dim(x: torch.Tensor, op: str, direction: str) -> torch.Tensor:
-    n = get_tensor_parallel_world_size()
-    if n == 1:
-        return x
+def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    log_collective(op, direction, x)
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=get_tensor_parallel_group())
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), "f", "backward")
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone(), "g", "forward")
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone(), "stats", "forward")
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), "stats", "backward")
-
-
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split_last_dim(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, "gather", "backward")
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _gather_last_dim(x, "gather", "forward")
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad)
+        return _split_last_dim(grad, ctx.group), None
 
 
-def _tp(fn, x: torch.Tensor) -> torch.Tensor:
-    return x if get_tensor_parallel_world_size() == 1 else fn.apply(x)
+def _tp(fn, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else fn.apply(x, group)
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``f``: identity forward, all-reduce of the gradient backward."""
-    return _tp(_CopyToTensorParallelRegion, x)
+    return _tp(_CopyToTensorParallelRegion, x, group)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``g``: all-reduce forward, identity backward."""
-    return _tp(_ReduceFromTensorParallelRegion, x)
+    return _tp(_ReduceFromTensorParallelRegion, x, group)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel group that every rank consumes: all-reduce both ways."""
-    return _tp(_AllReduceSum, x)
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over ``group`` that every rank consumes: all-reduce both ways."""
+    return _tp(_AllReduceSum, x, group)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension; gather the gradient."""
-    return _tp(_ScatterToTensorParallelRegion, x)
-
-
-def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension; split the gradient."""
-    return _tp(_GatherFromTensorParallelRegion, x)
+    return _tp(_GatherFromTensorParallelRegion, x, group)

@@ -1,10 +1,10 @@
 """How a full tensor is cut into tensor-parallel shards and put back together.
 
-A sharded parameter carries two attributes: ``tensor_parallel_dim`` (the dimension
-that is split) and ``tensor_parallel_stride`` (how many independent blocks the full
-tensor stacks along that dimension, e.g. 3 for a fused Q/K/V weight). Each block is
-cut into N equal chunks and rank r keeps chunk r of every block, so heads stay whole.
-Parameters without the attributes are replicated on every tensor-parallel rank.
+A sharded parameter carries ``tensor_parallel_dim`` and ``tensor_parallel_stride``
+(:mod:`.attributes`): the full tensor stacks ``stride`` independent blocks along that
+dimension (e.g. 3 for a fused Q/K/V weight); each block is cut into N equal chunks and
+rank r keeps chunk r of every block, so heads stay whole. Parameters without the
+attributes are replicated on every tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -12,23 +12,9 @@ from __future__ import annotations
 import torch
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, TP_VOCAB, sharded_dim
 
-TP_DIM = "tensor_parallel_dim"
-TP_STRIDE = "tensor_parallel_stride"
-TP_VOCAB = "tensor_parallel_vocab"
 VOCAB_SHARD_MULTIPLE = 128
-
-
-def mark_sharded(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-    setattr(param, TP_DIM, dim)
-    setattr(param, TP_STRIDE, stride)
-    return param
-
-
-def mark_vocab_padded(param: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mark a parameter whose split dimension is the padded vocabulary of ``vocab_size``."""
-    setattr(param, TP_VOCAB, vocab_size)
-    return param
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -37,15 +23,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
         return vocab_size
     multiple = VOCAB_SHARD_MULTIPLE * tp_size
     return -(-vocab_size // multiple) * multiple
-
-
-def sharded_dim(param: torch.Tensor) -> int | None:
-    """The split dimension of a sharded parameter, ``None`` for a replicated one."""
-    return getattr(param, TP_DIM, None)
-
-
-def is_replicated(param: torch.Tensor) -> bool:
-    return sharded_dim(param) is None
 
 
 def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:

@@ -4,6 +4,10 @@ Tensor-parallel groups are blocks of consecutive ranks; data-parallel groups joi
 ranks at the same position in every tensor-parallel group. With W ranks and tensor
 parallel size N: TP groups ``[k*N, ..., k*N + N - 1]``, DP groups ``[i, i + N, ...]``.
 Without initialisation (single process) everything degenerates to size 1, rank 0.
+
+The accessors below are read at the edge (model building, the trainer, the criterions);
+collectives and parallel layers take their group as an argument, ``None`` meaning a
+group of one (:func:`group_size`, :func:`group_rank`).
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ def initialize_model_parallel(tp_size: int) -> None:
     _TP_SIZE = tp_size
 
 
-def destroy_model_parallel() -> None:
-    """Forget the groups (tests build several configurations in one process)."""
-    global _TP_GROUP, _DP_GROUP, _TP_RANKS, _DP_RANKS, _TP_SIZE
-    _TP_GROUP, _DP_GROUP, _TP_RANKS, _DP_RANKS, _TP_SIZE = None, None, [0], [0], 1
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank within ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 def model_parallel_is_initialized() -> bool:

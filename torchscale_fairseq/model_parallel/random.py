@@ -4,7 +4,8 @@ Outside the parallel regions (residual dropout) all tensor-parallel ranks use th
 default generator, seeded identically, so they drop the same elements. Inside them
 (attention dropout on a rank's own heads) :func:`get_rng_tracker().fork()` switches to
 a per-rank stream seeded with ``seed + 2718 + tp_rank``. The tracker's state goes into
-checkpoints. At tensor-parallel size 1 ``fork`` changes nothing.
+checkpoints. At tensor-parallel size 1 there is no per-rank stream and ``fork`` changes
+nothing.
 """
 
 from __future__ import annotations
@@ -13,11 +14,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_rank,
-    get_tensor_parallel_world_size,
-)
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _SEED_OFFSET = 2718
@@ -53,7 +49,7 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        if name not in self.states or get_tensor_parallel_world_size() == 1:
+        if name not in self.states:
             yield
             return
         saved = _get_state()
@@ -97,8 +93,8 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.
     return contextlib.nullcontext(), replay()
 
 
-def model_parallel_seed(seed: int) -> None:
-    """Seed the per-rank stream used inside the tensor-parallel regions."""
+def model_parallel_seed(seed: int, tp_rank: int, tp_size: int) -> None:
+    """Seed the per-rank stream used inside the tensor-parallel regions (none at size 1)."""
     _TRACKER.reset()
-    if get_tensor_parallel_world_size() > 1:
-        _TRACKER.add(MODEL_PARALLEL_RNG, seed + _SEED_OFFSET + get_tensor_parallel_rank())
+    if tp_size > 1:
+        _TRACKER.add(MODEL_PARALLEL_RNG, seed + _SEED_OFFSET + tp_rank)

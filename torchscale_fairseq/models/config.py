@@ -10,7 +10,9 @@ from omegaconf import II
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
-from torchscale_fairseq.modules.moe.config import ROUTERS, SECOND_EXPERT_POLICIES
+from torchscale_fairseq.modules.moe.config import BALANCE_SCOPES, ROUTERS, SECOND_EXPERT_POLICIES
+
+MAX_SKIPPED_UPDATES = 10  # default of --max-skipped-updates (also for non-ts models under the plugin's trainer)
 
 
 @dataclass
@@ -32,10 +34,23 @@ class TsMoEConfig(FairseqDataclass):
         default=0.0, metadata={"help": "validation/generation capacity factor (<= 0: never drop)"}
     )
     moe_second_expert_policy: ChoiceEnum(SECOND_EXPERT_POLICIES) = field(
-        default="sampling", metadata={"help": "top-2: keep the second expert by gate (sampling), always, or at random"}
+        default="random",
+        metadata={"help": "top-2, as in fairseq's MoE branch and TorchScale: random (keep the second expert when "
+                          "2 * g2 > U(0,1)), sampling (draw it with Gumbel noise), all; coin: keep it with "
+                          "probability 1/2"},
     )
     moe_normalize_gate_prob_before_dropping: bool = field(
         default=False, metadata={"help": "normalise top-2 gates before capacity dropping (default: after)"}
+    )
+    moe_allow_no_balance_loss: bool = field(
+        default=False, metadata={"help": "allow training MoE layers with a criterion that ignores their balance "
+                                         "loss (by default an error: use a moe_* criterion)"}
+    )
+    moe_balance_scope: ChoiceEnum(BALANCE_SCOPES) = field(
+        default="local",
+        metadata={"help": "balance loss per rank and micro-batch (local, as fairseq's MoE branch and TorchScale: "
+                          "N ranks train as 1 rank with --update-freq N) or over the data-parallel group's "
+                          "micro-batch (global: N ranks train as 1 rank with the N batches in one)"},
     )
 
 
@@ -55,7 +70,15 @@ class TsCommonConfig(TsMoEConfig):
     max_rel_pos: int = field(default=128, metadata={"help": "largest distance of the relative position buckets"})
     xpos: bool = field(default=False, metadata={"help": "xPos rotary positions in self-attention"})
     checkpoint_activations: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    ts_compile: bool = field(
+        default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
+    )
     layernorm_eps: float = field(default=1e-5, metadata={"help": "LayerNorm epsilon"})
+    max_skipped_updates: int = field(
+        default=MAX_SKIPPED_UPDATES,
+        metadata={"help": "stop training after this many updates in a row are skipped for a non-finite gradient "
+                          "norm (fp32/bf16; fp16 stops at --min-loss-scale); 0 = never"},
+    )
 
 
 @dataclass

@@ -12,10 +12,10 @@ from fairseq.models import FairseqEncoder, FairseqEncoderModel, register_model, 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
+from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import parallel_logits
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
-from torchscale_fairseq.model_parallel.partition import mark_sharded, mark_vocab_padded
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
 
@@ -25,7 +25,8 @@ class MaskedLMEncoder(FairseqEncoder):
 
     def __init__(self, cfg: StackConfig, dictionary) -> None:
         super().__init__(dictionary)
-        embed_tokens = build_token_embedding(len(dictionary), cfg.embed_dim, dictionary.pad())
+        embed_tokens = build_token_embedding(len(dictionary), cfg.embed_dim, dictionary.pad(), cfg.tp_group)
+        self.tp_group = cfg.tp_group
         self.encoder = TransformerEncoder(cfg, dictionary, embed_tokens)
         self.vocab_size = len(dictionary)
         self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
@@ -40,17 +41,17 @@ class MaskedLMEncoder(FairseqEncoder):
         padded vocabulary slice (for the vocabulary-parallel ``masked_lm`` loss)."""
         out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens)
         x = out["encoder_out"][0]
-        extra = {"inner_states": out["encoder_states"]}
+        extra = {"inner_states": out["encoder_states"], "moe": out["moe"]}
         if features_only:
             return x, extra
         if masked_tokens is not None:
             x = x[masked_tokens]
         x = self.lm_head_layer_norm(F.gelu(self.lm_head_dense(x)))
-        logits = parallel_logits(x, self.encoder.embed.embed_tokens.weight) + self.lm_head_bias
+        logits = parallel_logits(x, self.encoder.embed.embed_tokens.weight, self.tp_group) + self.lm_head_bias
         if vocab_parallel_logits:
             return logits, extra
-        if get_tensor_parallel_world_size() > 1:
-            logits = gather_from_tensor_parallel_region(logits)
+        if group_size(self.tp_group) > 1:
+            logits = gather_from_tensor_parallel_region(logits, self.tp_group)
         return logits[..., : self.vocab_size], extra
 
     def max_positions(self) -> int:

@@ -11,6 +11,7 @@ from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsTransformerConfig, validate_common
+from torchscale_fairseq.modules.moe.layer import check_generation
 
 
 @register_model("ts_transformer", dataclass=TsTransformerConfig)
@@ -21,7 +22,7 @@ class TsTransformerModel(FairseqEncoderDecoderModel):
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         enc_cfg = StackConfig.from_args(args, "encoder", "encdec_encoder")
         dec_cfg = StackConfig.from_args(args, "decoder", "encdec_decoder")
-        enc_embed = build_token_embedding(len(src_dict), enc_cfg.embed_dim, src_dict.pad())
+        enc_embed = build_token_embedding(len(src_dict), enc_cfg.embed_dim, src_dict.pad(), enc_cfg.tp_group)
         if getattr(args, "share_all_embeddings", False):
             if src_dict != tgt_dict:
                 raise TsConfigError(
@@ -35,7 +36,7 @@ class TsTransformerModel(FairseqEncoderDecoderModel):
             dec_embed = enc_embed
             dec_cfg.share_input_output_embed = True
         else:
-            dec_embed = build_token_embedding(len(tgt_dict), dec_cfg.embed_dim, tgt_dict.pad())
+            dec_embed = build_token_embedding(len(tgt_dict), dec_cfg.embed_dim, tgt_dict.pad(), dec_cfg.tp_group)
         encoder = TransformerEncoder(enc_cfg, src_dict, enc_embed)
         decoder = TransformerDecoder(dec_cfg, tgt_dict, dec_embed, cross_attention=True)
         return cls(encoder, decoder)
@@ -43,6 +44,12 @@ class TsTransformerModel(FairseqEncoderDecoderModel):
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         check_state_dict_shapes(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+    def max_decoder_positions(self) -> int:
+        """Asked by fairseq's ``SequenceGenerator`` when it is built, before any decoding:
+        an expert-choice model is refused there with one line."""
+        check_generation([self])
+        return super().max_decoder_positions()
 
 
 def _defaults(args, layers: int, dim: int, heads: int, ffn: int) -> None:

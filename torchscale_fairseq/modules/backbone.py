@@ -5,7 +5,8 @@
 - ``magneto`` (Sub-LN): Pre-LN plus an inner LayerNorm before the attention output
   projection and before ``fc2``; weights of v/out/fc1/fc2 times gamma
 
-Constants (N encoder layers, M decoder layers; ``../shared/REFERENCE.md``):
+Constants (N encoder layers, M decoder layers; DeepNet paper Table 1, TorchScale paper
+section 1.2; the README's backbone table):
 
 ==================  ======================  ======================  ==========================
 part                DeepNorm alpha          DeepNorm beta           Sub-LN gamma

@@ -10,7 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
+from torchscale_fairseq.model_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLayerNorm,
+    RowParallelLinear,
+    TensorParallelGroup,
+)
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.multihead_attention import scaled_xavier_blocks
 
@@ -40,6 +45,7 @@ class FeedForwardNetwork(nn.Module):
         subln: bool = False,
         gain: float = 1.0,
         layernorm_eps: float = 1e-5,
+        tp_group: TensorParallelGroup = None,
     ) -> None:
         super().__init__()
         check_activation(activation)
@@ -49,10 +55,11 @@ class FeedForwardNetwork(nn.Module):
         self.fc1 = ColumnParallelLinear(
             embed_dim, parts * ffn_dim, stride=parts,
             init_method=scaled_xavier_blocks(parts, {i: gain for i in range(parts)}), what="FFN dimension",
+            tp_group=tp_group,
         )
-        self.ffn_layernorm = ParallelLayerNorm(ffn_dim, eps=layernorm_eps) if subln else None
+        self.ffn_layernorm = ParallelLayerNorm(ffn_dim, eps=layernorm_eps, tp_group=tp_group) if subln else None
         self.fc2 = RowParallelLinear(ffn_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
-                                     what="FFN dimension")
+                                     what="FFN dimension", tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -21,9 +21,10 @@ from torchscale_fairseq.model_parallel.layers import (
     ColumnParallelLinear,
     ParallelLayerNorm,
     RowParallelLinear,
+    TensorParallelGroup,
     divide,
 )
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_world_size
+from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.xpos import XPos
 
@@ -53,6 +54,7 @@ class MultiheadAttention(nn.Module):
         gain: float = 1.0,
         xpos: bool = False,
         layernorm_eps: float = 1e-5,
+        tp_group: TensorParallelGroup = None,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -62,24 +64,26 @@ class MultiheadAttention(nn.Module):
             )
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.local_heads = divide(num_heads, get_tensor_parallel_world_size(), "number of attention heads")
+        self.local_heads = divide(num_heads, group_size(tp_group), "number of attention heads")
         self.dropout = dropout
         self.self_attention = self_attention
         if self_attention:
             self.qkv_proj = ColumnParallelLinear(
                 embed_dim, 3 * embed_dim, stride=3, init_method=scaled_xavier_blocks(3, {2: gain}),
-                what="number of attention heads",
+                what="number of attention heads", tp_group=tp_group,
             )
         else:
             self.q_proj = ColumnParallelLinear(
-                embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {}), what="number of attention heads"
+                embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {}), what="number of attention heads",
+                tp_group=tp_group,
             )
             self.kv_proj = ColumnParallelLinear(
                 embed_dim, 2 * embed_dim, stride=2, init_method=scaled_xavier_blocks(2, {1: gain}),
-                what="number of attention heads",
+                what="number of attention heads", tp_group=tp_group,
             )
-        self.inner_attn_ln = ParallelLayerNorm(embed_dim, eps=layernorm_eps) if subln else None
-        self.out_proj = RowParallelLinear(embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}))
+        self.inner_attn_ln = ParallelLayerNorm(embed_dim, eps=layernorm_eps, tp_group=tp_group) if subln else None
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
+                                          tp_group=tp_group)
         self.xpos = XPos(self.head_dim) if xpos and self_attention else None
         self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
 

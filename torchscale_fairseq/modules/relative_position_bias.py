@@ -8,11 +8,12 @@ import math
 import torch
 import torch.nn as nn
 
-from torchscale_fairseq.model_parallel.layers import divide
-from torchscale_fairseq.model_parallel.partition import mark_sharded, shard_tensor
+from torchscale_fairseq.model_parallel.attributes import mark_sharded
+from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, divide
+from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_rank,
-    get_tensor_parallel_world_size,
+    group_rank,
+    group_size,
 )
 
 
@@ -39,14 +40,15 @@ class RelativePositionBias(nn.Module):
     """Returns the ``(1, local_heads, q_len, k_len)`` additive bias; heads are sharded
     across tensor-parallel ranks like the attention heads they feed."""
 
-    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> None:
+    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128,
+                 tp_group: TensorParallelGroup = None) -> None:
         super().__init__()
         self.bidirectional, self.num_buckets, self.max_distance = bidirectional, num_buckets, max_distance
-        n = get_tensor_parallel_world_size()
+        n = group_size(tp_group)
         divide(num_heads, n, "number of attention heads")
         full = torch.empty(num_buckets, num_heads)
         nn.init.normal_(full)
-        self.weight = mark_sharded(nn.Parameter(shard_tensor(full, 1, 1, get_tensor_parallel_rank(), n)), 1)
+        self.weight = mark_sharded(nn.Parameter(shard_tensor(full, 1, 1, group_rank(tp_group), n)), 1)
 
     def forward(self, q_len: int, k_len: int, offset: int = 0) -> torch.Tensor:
         """Bias for queries at positions ``offset .. offset + q_len - 1`` and keys ``0 .. k_len - 1``."""

@@ -3,32 +3,54 @@
 - tensor-parallel shards (parameters with ``tensor_parallel_dim``) are summed over the
   tensor-parallel group; replicated parameters (LayerNorms, row-parallel biases) are
   identical on every tensor-parallel rank and counted once;
-- expert parameters (``param.expert`` true) are summed over ``param.expert_group``, the
-  ranks that hold *different* experts (``None``: all experts are local);
+- expert parameters are summed over their ``expert_group``, the ranks that hold
+  *different* experts (``None``: all experts are local; attributes in
+  :mod:`torchscale_fairseq.model_parallel.attributes`);
 - the expert part may be down-weighted by ``kappa`` (SparseClip: ``1/sqrt(E)``):
   ``||g|| = ||(g_d, kappa * g_s)||_2``.
 
 Unlike ``fairseq.utils.clip_grad_norm_`` (which leaves expert gradients out of the norm
 and, with model parallelism, adds replicated parameters once per rank).
+
+fp16's flat fp32 master (one tensor for all parameters) remembers its source parameters
+in ``ts_flat_sources``; :func:`flat_master_views` splits its gradient back into
+per-parameter views that carry the sources' attributes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from torchscale_fairseq.model_parallel.partition import sharded_dim
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_group,
-    get_tensor_parallel_world_size,
+from torchscale_fairseq.model_parallel.attributes import (
+    PARALLEL_ATTRIBUTE_DEFAULTS,
+    expert_group,
+    is_expert,
+    sharded_dim,
 )
+from torchscale_fairseq.model_parallel.process_groups import group_size
+
+FLAT_MASTER_SOURCES = "ts_flat_sources"
 
 
-def is_expert(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "expert", False))
+def flat_master_views(params: Iterable[Any]) -> Iterator[Any]:
+    """``params``, with a flat fp32 master split into per-source-parameter views."""
+    for p in params:
+        sources = getattr(p, FLAT_MASTER_SOURCES, None)
+        if sources is None or p.grad is None:
+            yield p
+            continue
+        flat, offset = p.grad.view(-1), 0
+        for src in sources:
+            n = src.numel()
+            attrs = {a: getattr(src, a) for a in PARALLEL_ATTRIBUTE_DEFAULTS if hasattr(src, a)}
+            yield SimpleNamespace(grad=flat[offset : offset + n], **attrs)
+            offset += n
 
 
 @dataclass
@@ -54,22 +76,23 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def squared_norm_parts(params: Iterable[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(||g_d||^2, ||g_s||^2)`` over the whole model, every gradient counted once."""
+def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(||g_d||^2, ||g_s||^2)`` over the whole model, every gradient counted once
+    (shards of ``tensor_parallel_dim`` parameters summed over ``tp_group``)."""
     sharded, replicated = [], []
     experts: Dict[Optional[object], list] = {}
     for p in params:
         if p is None or p.grad is None:
             continue
         if is_expert(p):
-            experts.setdefault(getattr(p, "expert_group", None), []).append(p.grad)
+            experts.setdefault(expert_group(p), []).append(p.grad)
         elif sharded_dim(p) is not None:
             sharded.append(p.grad)
         else:
             replicated.append(p.grad)
     dense_sharded = _sq(sharded)
-    if get_tensor_parallel_world_size() > 1:
-        dense_sharded = _all_reduce(dense_sharded, get_tensor_parallel_group())
+    if group_size(tp_group) > 1:
+        dense_sharded = _all_reduce(dense_sharded, tp_group)
     dense = dense_sharded + _sq(replicated)
     expert = torch.zeros((), dtype=torch.float32)
     for group, grads in experts.items():
@@ -80,10 +103,25 @@ def squared_norm_parts(params: Iterable[torch.Tensor]) -> Tuple[torch.Tensor, to
     return dense, expert
 
 
-def grad_norm(params: Iterable[torch.Tensor], kappa: float = 1.0) -> GradNorm:
+def grad_norm(params: Iterable[torch.Tensor], kappa: float = 1.0, tp_group: Optional[object] = None) -> GradNorm:
     """``||(g_d, kappa g_s)||_2`` with its dense and expert parts."""
-    dense_sq, expert_sq = squared_norm_parts(params)
+    dense_sq, expert_sq = squared_norm_parts(params, tp_group)
     return GradNorm(dense_sq.sqrt(), expert_sq.sqrt(), (dense_sq + kappa**2 * expert_sq).sqrt())
+
+
+def norm_and_clip_(
+    params: list[Any], max_norm: float, kappa: float = 1.0, tp_group: Optional[object] = None, aggregate_norm_fn=None
+) -> Tuple[GradNorm, torch.Tensor]:
+    """The norm of the gradients of ``params`` (all with a gradient; flat fp16 masters split
+    into their sources) and the total, aggregated by ``aggregate_norm_fn`` if given, on the
+    gradients' device; clips them when ``max_norm > 0``."""
+    norm = grad_norm(list(flat_master_views(params)), kappa, tp_group)
+    total = norm.total.to(params[0].grad.device)
+    if aggregate_norm_fn is not None:
+        total = aggregate_norm_fn(total)
+    if max_norm > 0:
+        clip_grads_(params, float(max_norm), total)
+    return norm, total
 
 
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:

@@ -10,28 +10,30 @@ sample code, kappa is ``1/sqrt(E)`` (not ``1/sqrt(max(world, E))``) and the real
 gradients are clipped (not a detached copy). Without experts it is vanilla clipping.
 
 Precision modes: fairseq's fp16/bf16 wrappers call ``clip_grad_norm(0)`` on loss-scaled
-gradients, multiply the returned norm by their ``_multiply_factor`` and clip through that
-factor; the logged parts are multiplied by the same factor, so every logged norm is
-taken on unscaled gradients. ``--fp16``'s flat fp32 master is split back into
-per-parameter views (:mod:`torchscale_fairseq.compat.grad_norm_clip`), so experts are
-still recognised. A non-finite norm raises ``OverflowError`` (fairseq skips the update)
-unless a loss scaler (fp16, AMP) handles the overflow itself.
+gradients and clip through their ``_multiply_factor``; the norm's parts are kept in
+``last_norm`` and the trainer (:mod:`torchscale_fairseq.integration.trainer`) logs them
+times that factor, so every logged norm is taken on unscaled gradients. ``--fp16``'s flat
+fp32 master is split back into per-parameter views, so experts are still recognised. A
+non-finite norm is returned as it is: the loss scaler (fp16) or the trainer (fp32, bf16)
+skips the update.
+
+Flags: ``--sparse-clip-base`` and the flags of every registered optimizer, with their
+defaults suppressed, so the base's own flags parse without knowing the base yet; the
+base's dataclass supplies the defaults, and a flag of another optimizer is refused by the
+trainer before training (:func:`check_foreign_flags`).
 
 Logged: ``gnorm`` (the SparseClip norm, by fairseq), ``gnorm_dense``, ``gnorm_expert``
-and ``clip`` (by fairseq: percentage of updates where ``||g|| > xi``).
+(by the trainer) and ``clip`` (by fairseq: percentage of updates where ``||g|| > xi``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import math
-import sys
 
 import torch
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.logging import metrics
 from fairseq.optim import (
     OPTIMIZER_DATACLASS_REGISTRY,
     OPTIMIZER_REGISTRY,
@@ -41,36 +43,71 @@ from fairseq.optim import (
 )
 from omegaconf import OmegaConf, open_dict
 
-from torchscale_fairseq.compat.grad_norm_clip import _views as flat_master_views
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.optim.grad_norm import clip_grads_, grad_norm
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group
+from torchscale_fairseq.optim.grad_norm import GradNorm, norm_and_clip_
 
 NAME = "sparse_clip"
-
-
-def _argv_being_parsed() -> list[str]:
-    """The argument list fairseq's ``parse_args_and_arch`` is parsing (``sys.argv`` from
-    the console tools), so that the base optimizer's flags can be added before the final
-    parse."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code.co_name == "parse_args_and_arch" and "input_args" in frame.f_locals:
-            given = frame.f_locals["input_args"]
-            return sys.argv[1:] if given is None else [str(a) for a in given]
-        frame = frame.f_back
-    return sys.argv[1:]
-
-
-def base_name_from_argv(argv: list[str]) -> str:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--sparse-clip-base", default="adam")
-    return pre.parse_known_args(argv)[0].sparse_clip_base
 
 
 def check_base(name: str) -> None:
     if name == NAME or name not in OPTIMIZER_REGISTRY:
         choices = ", ".join(sorted(k for k in OPTIMIZER_REGISTRY if k != NAME))
         raise TsConfigError(f"--sparse-clip-base {name!r} is not a fairseq optimizer to wrap: choose one of {choices}")
+
+
+class _BaseChoice(argparse.Action):
+    """``--sparse-clip-base NAME``, refused with one line unless NAME is a registered optimizer."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        check_base(value)
+        setattr(namespace, self.dest, value)
+
+
+def optimizer_flags(name: str) -> list[argparse.Action]:
+    """The command-line flags of the registered optimizer ``name``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    cls = OPTIMIZER_REGISTRY[name]
+    dc = getattr(cls, "__dataclass", None)
+    if dc is not None:
+        gen_parser_from_dataclass(parser, dc())
+    else:
+        cls.add_args(parser)
+    return [a for a in parser._actions if a.option_strings]
+
+
+def add_base_optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """Every registered optimizer's flags that ``parser`` lacks, defaults suppressed."""
+    for name in sorted(OPTIMIZER_REGISTRY):
+        if name == NAME:
+            continue
+        for action in optimizer_flags(name):
+            if any(o in parser._option_string_actions for o in action.option_strings):
+                continue
+            common = {"dest": action.dest, "help": action.help, "default": argparse.SUPPRESS}
+            if action.nargs == 0:
+                parser.add_argument(*action.option_strings, action="store_const", const=action.const, **common)
+            else:
+                parser.add_argument(*action.option_strings, type=action.type, nargs=action.nargs,
+                                    choices=action.choices, metavar=action.metavar, **common)
+
+
+def check_foreign_flags(args) -> None:
+    """One line if a flag of another optimizer than the base was given (parsed flags:
+    their defaults are suppressed, so a flag present was given)."""
+    base = getattr(args, "sparse_clip_base", None)
+    if getattr(args, "optimizer", None) != NAME or base is None:
+        return
+    own = {a.dest for a in optimizer_flags(base)}
+    for name in sorted(OPTIMIZER_REGISTRY):
+        if name in (NAME, base):
+            continue
+        for action in optimizer_flags(name):
+            if action.dest not in own and action.dest in vars(args):
+                raise TsConfigError(
+                    f"{action.option_strings[0]} is a flag of --optimizer {name}, not of --sparse-clip-base {base}: "
+                    f"drop it or use --sparse-clip-base {name}"
+                )
 
 
 def base_config(args) -> object:
@@ -80,6 +117,9 @@ def base_config(args) -> object:
     dc = OPTIMIZER_DATACLASS_REGISTRY.get(name)
     if dc is None:
         legacy = copy.copy(args)
+        for action in optimizer_flags(name):
+            if action.dest not in vars(legacy):
+                setattr(legacy, action.dest, action.default)
         legacy.optimizer = legacy._name = name
         return legacy
     values = dc.from_namespace(args)
@@ -99,11 +139,6 @@ def sparse_clip_kappa(expert_count: int, override: float | None = None) -> float
     return 1.0 / math.sqrt(expert_count) if expert_count > 0 else 1.0
 
 
-def _caller() -> object:
-    """The object whose method called ``clip_grad_norm`` (a trainer or a precision wrapper)."""
-    return sys._getframe(2).f_locals.get("self")
-
-
 @register_optimizer(NAME)
 class SparseClip(FairseqOptimizer):
     def __init__(self, args, params) -> None:
@@ -112,21 +147,15 @@ class SparseClip(FairseqOptimizer):
         self.base = build_optimizer(base_config(args), params)
         self._optimizer = self.base.optimizer
         self.kappa = sparse_clip_kappa(getattr(args, "moe_expert_count", 0) or 0, args.sparse_clip_kappa)
+        self.last_norm: GradNorm | None = None
 
     @classmethod
     def add_args(cls, parser) -> None:
-        parser.add_argument("--sparse-clip-base", default="adam", metavar="OPTIMIZER",
+        parser.add_argument("--sparse-clip-base", default="adam", metavar="OPTIMIZER", action=_BaseChoice,
                             help="the fairseq optimizer SparseClip wraps (its flags apply)")
         parser.add_argument("--sparse-clip-kappa", type=float, default=-1.0, metavar="K",
                             help="expert-gradient weight in the norm (default 1/sqrt(--moe-expert-count))")
-        base = base_name_from_argv(_argv_being_parsed())
-        check_base(base)
-        base_cls = OPTIMIZER_REGISTRY[base]
-        dc = getattr(base_cls, "__dataclass", None)
-        if dc is not None:
-            gen_parser_from_dataclass(parser, dc())
-        else:
-            base_cls.add_args(parser)
+        add_base_optimizer_flags(parser)
 
     @property
     def optimizer_config(self) -> dict:
@@ -157,24 +186,12 @@ class SparseClip(FairseqOptimizer):
         self.base.average_params()
 
     def clip_grad_norm(self, max_norm: float, aggregate_norm_fn=None) -> torch.Tensor:
-        """SparseClip norm of the current gradients; clips them when ``max_norm > 0``."""
+        """SparseClip norm of the current gradients (its parts kept in ``last_norm``);
+        clips them when ``max_norm > 0`` and the norm is finite."""
         params = [p for p in self.params if p.grad is not None]
         if not params:
+            self.last_norm = None
             return torch.tensor(0.0)
-        norm = grad_norm(list(flat_master_views(params)), self.kappa)
-        total = norm.total.to(params[0].grad.device)
-        if aggregate_norm_fn is not None:
-            total = aggregate_norm_fn(total)
-        caller = _caller()
-        factor = getattr(caller, "_multiply_factor", 1.0)
-        factor = float(factor) if torch.is_tensor(factor) else factor
-        metrics.log_scalar("gnorm_dense", float(norm.dense) * factor, priority=710, round=3)
-        metrics.log_scalar("gnorm_expert", float(norm.expert) * factor, priority=720, round=3)
-        if not torch.isfinite(total):
-            handled = getattr(caller, "scaler", None) is not None
-            if not handled:
-                raise OverflowError(f"non-finite SparseClip gradient norm {float(total)}")
-            return total
-        if max_norm > 0:
-            clip_grads_(params, float(max_norm), total)
+        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, get_tensor_parallel_group(),
+                                               aggregate_norm_fn)
         return total

@@ -2,10 +2,11 @@
 
 Balance loss (Switch/GShard): ``L = E * sum_e f_e * p_e`` over non-padding tokens, with
 ``f_e`` the fraction of tokens whose first choice is ``e`` and ``p_e`` the mean router
-probability of ``e``; uniform routing gives ``L = 1``. Under expert parallelism the
-counts are summed over the data-parallel group (``f`` is global) and each rank returns
-its share ``E * sum_e f_e * s_e / N`` (``s_e``: the rank's probability sum, ``N``: all
-tokens), so the shares add up to the loss of the whole global batch.
+probability of ``e``; uniform routing gives ``L = 1``. Its scope (``--moe-balance-scope``):
+- ``local`` (fairseq's MoE branch, TorchScale): over this rank's micro-batch alone;
+- ``global``: the counts are summed over the data-parallel group (``f`` is global) and
+  each rank returns its share ``E * sum_e f_e * s_e / N`` (``s_e``: the rank's probability
+  sum, ``N``: all tokens), so the shares add up to the loss of the group's micro-batch.
 """
 
 from __future__ import annotations
@@ -29,8 +30,21 @@ class RoutingStats:
     entropy_sum: float
 
 
+@dataclass
+class MoEAux:
+    """What one MoE layer's forward returns beside its output (TorchScale's ``l_aux``):
+    its ``tag``, the ``balance_loss`` (a scalar tensor), the routing ``stats`` and the
+    ``data_parallel_group`` its balance loss was counted over (``None``: the local scope)."""
+
+    tag: str
+    balance_loss: torch.Tensor
+    stats: RoutingStats
+    data_parallel_group: object | None = None
+
+
 def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """``E * sum_e f_e p_e`` (see the module docstring); ``group`` sums over ranks."""
+    """``E * sum_e f_e p_e`` (see the module docstring): local with ``group=None``, global
+    (this rank's share) over ``group``."""
     num_tokens, num_experts = probs.shape
     counts = torch.bincount(first_expert, minlength=num_experts).to(torch.float32)
     totals = torch.cat([counts, counts.new_tensor([float(num_tokens)])])

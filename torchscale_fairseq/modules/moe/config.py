@@ -8,7 +8,8 @@ from typing import Any
 from torchscale_fairseq.errors import TsConfigError
 
 ROUTERS = ("xmoe", "linear", "expert_choice")
-SECOND_EXPERT_POLICIES = ("sampling", "all", "random")
+SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
+BALANCE_SCOPES = ("local", "global")
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,9 @@ class MoEConfig:
     gate_noise: float = 0.0
     capacity_factor: float = 1.25
     eval_capacity_factor: float = 0.0
-    second_expert_policy: str = "sampling"
+    second_expert_policy: str = "random"
     normalize_gate_prob_before_dropping: bool = False
+    balance_scope: str = "local"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -45,8 +47,9 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         gate_noise=getattr(args, "moe_gate_noise", 0.0),
         capacity_factor=getattr(args, "moe_capacity_factor", 1.25),
         eval_capacity_factor=getattr(args, "moe_eval_capacity_factor", 0.0),
-        second_expert_policy=str(getattr(args, "moe_second_expert_policy", "sampling")),
+        second_expert_policy=str(getattr(args, "moe_second_expert_policy", "random")),
         normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
+        balance_scope=str(getattr(args, "moe_balance_scope", "local")),
     )
     check_moe_config(cfg)
     return cfg
@@ -67,6 +70,10 @@ def check_moe_config(cfg: MoEConfig) -> None:
         raise TsConfigError(
             f"--moe-second-expert-policy {cfg.second_expert_policy!r} is unknown: "
             f"choose one of {', '.join(SECOND_EXPERT_POLICIES)}"
+        )
+    if cfg.balance_scope not in BALANCE_SCOPES:
+        raise TsConfigError(
+            f"--moe-balance-scope {cfg.balance_scope!r} is unknown: choose one of {', '.join(BALANCE_SCOPES)}"
         )
     if cfg.router_dim <= 0:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")

@@ -19,9 +19,9 @@ it (its storage use count is back to 1), so the gradient still reaches ``.grad``
 autograd (hooks, accumulation and ``torch.autograd.grad`` behave as for any parameter)
 but the memory stays mapped.
 
-Expert parameters carry ``expert = True``, ``expert_group`` (the ranks holding other
-experts, for the gradient norm) and ``expert_replica_group`` (the ranks holding a copy
-of the same experts, for gradient averaging). Each expert is initialised from its own
+Expert parameters are marked with
+:func:`~torchscale_fairseq.model_parallel.attributes.mark_expert` (their groups for the
+gradient norm and for gradient averaging). Each expert is initialised from its own
 generator seeded with ``base + global expert id`` (``base`` drawn from the global RNG),
 so an expert gets the same initial weights whatever the number of ranks.
 """
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from torchscale_fairseq.model_parallel.attributes import mark_expert
 from torchscale_fairseq.modules.feedforward import activate, check_activation
 
 
@@ -130,12 +131,6 @@ class GroupedAffine(torch.autograd.Function):
             torch.sum(grad[lo:hi] * x[lo:hi], 0, out=dw[e])
             torch.sum(grad[lo:hi], 0, out=db[e])
         return dx, dw, db, None
-
-
-def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
-    param.expert = True
-    param.expert_group = expert_group
-    param.expert_replica_group = replica_group
 
 
 class GroupedExperts(nn.Module):

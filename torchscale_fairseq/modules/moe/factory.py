@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from torchscale_fairseq.modules.moe.groups import get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
 
@@ -17,4 +18,4 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
         return None
     b = cfg.backbone
     return MoELayer(moe, cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain,
-                    cfg.layernorm_eps, tag=tag)
+                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count))

@@ -3,11 +3,15 @@ which combine weight.
 
 Token choice (GShard/Switch, top-1 or top-2), on ``p = softmax(s)``:
 - top-1 (Switch): gate ``p_e1``;
-- top-2 (GShard): gates ``p_e1, p_e2``; the second expert is kept with probability
-  ``min(1, 2 p_e2 / (p_e1 + p_e2))`` (``sampling``), always (``all``) or with
-  probability 1/2 (``random``); evaluation always uses ``all``. Gates are normalised to
-  sum to 1 over the kept experts either before capacity dropping
-  (``--moe-normalize-gate-prob-before-dropping``) or after it (default).
+- top-2 (GShard): gates ``p_e1, p_e2``. The second-expert policies are those of fairseq's
+  MoE branch and TorchScale (``top2gating``): ``all`` keeps the second-best expert;
+  ``random`` keeps it when ``2 g_2 > U(0, 1)`` (``g_2 = p_e2``, or ``p_e2 / (p_e1 + p_e2)``
+  with ``--moe-normalize-gate-prob-before-dropping``); ``sampling`` draws the second expert
+  by the Gumbel-max trick, ``argmax_{e != e1} (log p_e + G_e)``, ``G ~ Gumbel(0, 1)``, and
+  keeps it; ``coin`` (not upstream) keeps the second-best expert with probability 1/2.
+  Evaluation always uses ``all``. Gates are normalised to sum to 1 over the kept experts
+  either before capacity dropping (``--moe-normalize-gate-prob-before-dropping``) or after
+  it (default).
 Expert choice (Zhou et al. 2022): each expert takes its top-``C`` tokens by ``p``,
 gate ``p_{t,e}``; a token may get any number of experts, including none.
 """
@@ -41,7 +45,7 @@ def top_k_routing(
     probs: torch.Tensor,
     top_k: int,
     capacity_factor: float,
-    second_expert_policy: str = "sampling",
+    second_expert_policy: str = "random",
     normalize_before_dropping: bool = False,
     training: bool = True,
 ) -> Routing:
@@ -56,19 +60,19 @@ def top_k_routing(
         keep = slot < capacity
         return Routing(tokens[keep], first[keep], slot[keep], gates[keep, 0], capacity, first, first,
                        num_tokens, int((~keep).sum()))
-    g1, g2 = gates[:, 0], gates[:, 1]
+    policy = second_expert_policy if training else "all"
+    second = experts[:, 1] if policy != "sampling" else gumbel_second_expert(probs, first)
+    g1, g2 = gates[:, 0], probs.gather(1, second.unsqueeze(1)).squeeze(1)
     if normalize_before_dropping:
         denom = (g1 + g2).clamp(min=torch.finfo(g1.dtype).eps)
         g1, g2 = g1 / denom, g2 / denom
-    policy = second_expert_policy if training else "all"
-    if policy == "sampling":
-        ratio = 2 * g2.detach() / (g1.detach() + g2.detach()).clamp(min=torch.finfo(g1.dtype).eps)
-        second_on = ratio > torch.rand_like(ratio)
-    elif policy == "random":
+    if policy == "random":
+        second_on = 2 * g2.detach() > torch.rand_like(g2)
+    elif policy == "coin":
         second_on = torch.rand_like(g2) < 0.5
     else:
         second_on = torch.ones_like(g2, dtype=torch.bool)
-    expert = torch.cat([first, experts[:, 1][second_on]])
+    expert = torch.cat([first, second[second_on]])
     token = torch.cat([tokens, tokens[second_on]])
     gate = torch.cat([g1, g2[second_on]])
     slot = assign_slots(expert, num_experts)
@@ -80,6 +84,15 @@ def top_k_routing(
         gate = gate / kept_sum.clamp(min=torch.finfo(gate.dtype).eps)[token]
     return Routing(token[keep], expert[keep], slot[keep], gate[keep], capacity, first, expert,
                    int(expert.numel()), int((~keep).sum()))
+
+
+def gumbel_second_expert(probs: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``argmax_{e != first} (log p_e + G_e)``, ``G ~ Gumbel(0, 1)`` drawn as fairseq's
+    ``gumbel_rsample`` draws it (``torch.distributions.Gumbel(0, 1).rsample``)."""
+    zero = probs.new_zeros(())
+    noise = torch.distributions.Gumbel(zero, zero + 1.0).rsample(probs.shape)
+    noisy = probs.detach().log() + noise
+    return noisy.scatter(1, first.unsqueeze(1), float("-inf")).argmax(dim=1)
 
 
 def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:

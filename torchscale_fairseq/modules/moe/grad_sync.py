@@ -5,7 +5,7 @@ neither broadcast nor average expert parameters. Their gradients already contain
 rank's tokens (the all-to-all backward brings them home), so an expert's gradient is
 summed over its replica group and divided by the data-parallel size ``W``, matching
 DDP's mean for the dense parameters (fairseq then multiplies all gradients by
-``W / sample_size``). The fairseq wiring is :mod:`torchscale_fairseq.compat.expert_ddp`.
+``W / sample_size``). The fairseq wiring is in :mod:`torchscale_fairseq.integration.trainer`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from torchscale_fairseq.model_parallel.attributes import expert_replica_group, is_expert
+
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if getattr(p, "expert", False)]
+    return [name for name, p in model.named_parameters() if is_expert(p)]
 
 
 def sync_expert_grads(model: nn.Module, data_parallel_size: int) -> None:
     """``g <- (sum over the replica group of g) / W`` for every expert parameter."""
     for p in model.parameters():
-        if not getattr(p, "expert", False) or p.grad is None:
+        if not is_expert(p) or p.grad is None:
             continue
-        group = getattr(p, "expert_replica_group", None)
+        group = expert_replica_group(p)
         if group is not None:
             dist.all_reduce(p.grad, group=group)
         if data_parallel_size > 1:

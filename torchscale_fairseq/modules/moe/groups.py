@@ -86,7 +86,3 @@ def get_expert_parallel(num_experts: int) -> ExpertParallel:
     _CACHE[num_experts] = result
     return result
 
-
-def reset_expert_parallel() -> None:
-    """Forget cached groups (tests that build several configurations in one process)."""
-    _CACHE.clear()

@@ -4,8 +4,9 @@ Non-padding tokens are routed (:mod:`.routers`, :mod:`.gating`), gathered by ind
 rows grouped by expert (no ``(E, C, d)`` capacity padding), sent to the ranks holding
 their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back and combined:
 ``y_t = sum_a gate_a * expert_{e_a}(x_t)``. Dropped (overflowed) and padding tokens
-get a zero output, so the residual carries them. After each forward the layer keeps
-``balance_loss`` (a scalar tensor, see :mod:`.balance`) and ``stats`` for the criterion.
+get a zero output, so the residual carries them. The forward returns the output and
+an :class:`~.balance.MoEAux` (balance loss and routing statistics, see :mod:`.balance`),
+which the model passes up to the criterion.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
-from torchscale_fairseq.modules.moe.balance import (
-    RoutingStats,
-    balance_loss,
-    routing_stats,
-)
+from torchscale_fairseq.modules.moe.balance import MoEAux, balance_loss, routing_stats
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -29,7 +26,7 @@ from torchscale_fairseq.modules.moe.gating import (
     expert_choice_routing,
     top_k_routing,
 )
-from torchscale_fairseq.modules.moe.groups import ExpertParallel, get_expert_parallel
+from torchscale_fairseq.modules.moe.groups import ExpertParallel
 from torchscale_fairseq.modules.moe.routers import build_router
 
 EXPERT_CHOICE_DECODING = (
@@ -46,7 +43,8 @@ def check_generation(models: Iterable[nn.Module]) -> None:
 
 
 class MoELayer(nn.Module):
-    takes_padding_mask = True
+    """``parallel``: where the experts live (given by the model builder from
+    :func:`~torchscale_fairseq.modules.moe.groups.get_expert_parallel`); ``None``: all local."""
 
     def __init__(
         self,
@@ -64,15 +62,13 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tag = tag
-        self.parallel = parallel or get_expert_parallel(cfg.expert_count)
+        self.parallel = parallel or ExpertParallel(cfg.expert_count, cfg.expert_count, 0)  # all experts local
         self.router = build_router(cfg.router, embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
         self.experts = GroupedExperts(
             self.parallel.local_experts, self.parallel.first_expert, embed_dim, ffn_dim, activation,
             activation_dropout, subln, gain, layernorm_eps,
         )
         self.experts.set_groups(self.parallel.group, self.parallel.replica_group)
-        self.balance_loss: torch.Tensor | None = None
-        self.stats: RoutingStats | None = None
 
     def route(self, tokens: torch.Tensor, incremental: bool = False) -> tuple[torch.Tensor, Routing]:
         """Router probabilities (fp32) and the routing plan of ``tokens`` (N, C)."""
@@ -87,7 +83,7 @@ class MoELayer(nn.Module):
                                     cfg.normalize_gate_prob_before_dropping, self.training)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                incremental: bool = False) -> torch.Tensor:
+                incremental: bool = False) -> tuple[torch.Tensor, MoEAux]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         keep = None
@@ -97,15 +93,16 @@ class MoELayer(nn.Module):
         else:
             tokens = flat
         probs, routing = self.route(tokens, incremental)
+        group = self.parallel.data_parallel_group if self.cfg.balance_scope == "global" else None
         if self.cfg.router == "expert_choice":
-            self.balance_loss = probs.new_zeros(()) + 0.0 * probs.sum()
+            loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
-            self.balance_loss = balance_loss(probs, routing.first_expert, self.parallel.data_parallel_group)
-        self.stats = routing_stats(probs, routing.requested, routing.routed, routing.dropped)
+            loss = balance_loss(probs, routing.first_expert, group)
+        aux = MoEAux(self.tag, loss, routing_stats(probs, routing.requested, routing.routed, routing.dropped), group)
         out = self.dispatch_combine(tokens, routing)
         if keep is not None:
             out = flat.new_zeros(flat.shape).index_copy(0, keep, out)
-        return out.view(shape)
+        return out.view(shape), aux
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Gather the routed tokens grouped by expert, run the experts, weight and add back."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 from argparse import Namespace
 
 import torch.distributed as dist
@@ -23,10 +22,8 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from omegaconf import open_dict
 
-from torchscale_fairseq.compat.model_parallel_init import multi_process_error
+from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel import process_groups as groups
-
-_WRAPPED = "_ts_model_parallel_main"
 
 
 def _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs):
@@ -48,7 +45,9 @@ def _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs):
             dt.distributed_world_size, dt.distributed_rank, cfg.common_eval.results_path = saved
 
 
-def _wrap(stock_main):
+def wrap_main(stock_main):
+    """``main`` of ``fairseq_cli.generate`` / ``fairseq_cli.eval_lm``, also under tensor parallelism."""
+
     @functools.wraps(stock_main)
     def main(cfg, **kwargs):
         if isinstance(cfg, Namespace):
@@ -63,19 +62,6 @@ def _wrap(stock_main):
             return distributed_utils.call_main(cfg, main, **kwargs)
         return _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs)
 
-    setattr(main, _WRAPPED, True)
     return main
 
 
-def patch_generate_and_eval_lm() -> None:
-    """Wrap ``main`` of ``fairseq_cli.generate`` / ``fairseq_cli.eval_lm`` when that tool
-    is running (its ``cli_main`` looks ``main`` up after importing the plugin). Modules
-    not yet imported are left alone (``eval_lm`` configures logging on import)."""
-    names = ("fairseq_cli.generate", "fairseq_cli.eval_lm")
-    modules = [sys.modules.get(name) for name in names]
-    entry = sys.modules.get("__main__")
-    if getattr(getattr(entry, "__spec__", None), "name", None) in names:
-        modules.append(entry)
-    for module in modules:
-        if module is not None and hasattr(module, "main") and not getattr(module.main, _WRAPPED, False):
-            module.main = _wrap(module.main)

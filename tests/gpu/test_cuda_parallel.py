@@ -1,0 +1,99 @@
+"""Tensor- and expert-parallel code on CUDA tensors.
+
+One GPU cannot hold two NCCL ranks (NCCL refuses two ranks on one device), so the
+2-rank checks run 2 processes sharing the GPU over gloo. PyTorch's backend table lists
+only ``broadcast`` and ``all_reduce`` as gloo collectives on CUDA tensors; gloo's
+``ProcessGroupGloo`` also stages ``all_gather`` and ``all_to_all`` of CUDA tensors through
+host memory (``AsyncAllgatherCUDAWork``, ``AsyncAlltoallCUDAWork``), which the 2-rank
+checks use. The same collectives run on NCCL at world size 1 (``nccl_worker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.cli_utils import REPO, run, run_many
+from tests.model_parallel.mp_helpers import free_port, launch, wait_all
+from torchscale_fairseq.model_parallel import process_groups
+from torchscale_fairseq.model_parallel import random as tp_random
+from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
+
+pytestmark = pytest.mark.gpu
+
+LAYER_WORKER = REPO / "tests" / "model_parallel" / "layer_worker.py"
+
+
+def test_parallel_layers_on_cuda_equal_dense(tmp_path):
+    """``layer_worker.py`` (the CPU layer checks of ``test_mp_layers.py``) with every tensor on the GPU."""
+    port = free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = [launch([sys.executable, str(LAYER_WORKER), str(r), "2", str(port), str(tmp_path / "out.json"), "cuda"],
+                    logs[r]) for r in range(2)]
+    wait_all(procs, logs, timeout=300)
+    errors = json.loads((tmp_path / "out.json").read_text())["errors"]
+    assert set(errors) == {"column", "row", "embedding", "layernorm", "cross_entropy", "magneto", "preln"}
+    for layer, values in errors.items():
+        for what, value in values.items():
+            # the tolerances of test_mp_layers.py
+            limit = 0 if what == "argmax_mismatches" else 1e-4 if what in ("loss", "nll", "plain_nll") else 1e-5
+            assert value <= limit, f"{layer} {what}: {value}"
+
+
+def test_expert_parallel_on_cuda_equals_single_process(tmp_path, lm_data):
+    """E = 4 experts on 2 ranks (gloo, one GPU, DDP with ``device_ids``) vs 1 process, all on CUDA."""
+    flags = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
+             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
+             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-top-k", "2"]
+    outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
+    run_many([["env", "TS_HARNESS_DEVICE=cuda", sys.executable, "-m", "tests.moe.dist_harness", outs[world],
+               str(world), lm_data, *flags] for world in (1, 2)])
+    one, two = (torch.load(outs[w], map_location="cpu") for w in (1, 2))
+    assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
+    assert one["norms"] == pytest.approx(two["norms"], rel=1e-5)
+    for name, p in one["state"].items():
+        assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
+
+
+def test_nccl_collectives_at_world_size_one():
+    proc = run([sys.executable, "-m", "tests.gpu.nccl_worker", str(free_port())], cwd=REPO)
+    assert "ok" in proc.stdout
+
+
+@pytest.fixture
+def two_way_rank(monkeypatch):
+    """Tensor-parallel size 2 as the tracker sees it; ``seed(rank)`` seeds it as that rank."""
+    monkeypatch.setattr(process_groups, "_TP_SIZE", 2)
+    torch.cuda.init()  # fairseq sets the device (and so creates the context) before seeding
+
+    def seed(rank: int) -> None:
+        monkeypatch.setattr(tp_random, "get_tensor_parallel_rank", lambda: rank)
+        model_parallel_seed(7)
+
+    yield seed
+    get_rng_tracker().reset()
+
+
+def _fork_draw() -> torch.Tensor:
+    with get_rng_tracker().fork():
+        return torch.rand(8, device="cuda")
+
+
+def test_rng_tracker_forks_cuda_generators(two_way_rank, tmp_path):
+    two_way_rank(0)
+    assert "cuda" in get_rng_tracker().state_dict()[tp_random.MODEL_PARALLEL_RNG]
+    torch.cuda.manual_seed(0)
+    default_state = torch.cuda.get_rng_state()
+    saved = get_rng_tracker().state_dict()
+    rank0 = _fork_draw()
+    assert torch.equal(torch.cuda.get_rng_state(), default_state)  # fork leaves the default CUDA stream alone
+    assert not torch.equal(rank0, torch.rand(8, device="cuda"))  # ... and draws from another one
+    # saved in a checkpoint (plain tensors, loadable with weights_only) and restored: the same draws
+    torch.save({"rng": saved}, tmp_path / "rng.pt")
+    get_rng_tracker().load_state_dict(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    assert torch.equal(_fork_draw(), rank0)
+    two_way_rank(1)
+    assert not torch.equal(_fork_draw(), rank0)  # every tensor-parallel rank has its own stream

@@ -1,0 +1,246 @@
+"""``ts-export-hf``: the exported folder, loaded by ``transformers`` offline, computes what the
+fairseq model computes (next-token logits, greedy decoding with the KV cache against fairseq's
+``SequenceGenerator``), for every backbone, dense and X-MoE; bad inputs get one line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers", reason="needs the export extra: pip install -e .[export]")
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel  # noqa: E402
+
+from tests.model_utils import FakeTask, dictionary  # noqa: E402
+from tests.model_utils import args as model_args
+from torchscale_fairseq.errors import TsConfigError  # noqa: E402
+from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
+from torchscale_fairseq.models.lm import TsLanguageModel  # noqa: E402
+
+# every backbone, dense and X-MoE; the options spread over them
+CASES = {
+    "magneto-dense": dict(backbone="magneto", activation_fn="swiglu", xpos=True, share_decoder_input_output_embed=False),
+    "magneto-moe": dict(backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8),
+    "deepnorm-dense": dict(backbone="deepnorm", decoder_learned_pos=True, rel_pos_buckets=8, decoder_layers=3),
+    "deepnorm-moe": dict(backbone="deepnorm", moe_expert_count=4, moe_top_k=1, moe_router="linear",
+                         moe_eval_capacity_factor=1.0, activation_fn="relu", share_decoder_input_output_embed=False),
+    "preln-dense": dict(backbone="preln", decoder_learned_pos=True, activation_fn="relu", layernorm_embedding=True),
+    "preln-moe": dict(backbone="preln", moe_expert_count=2, xpos=True, no_scale_embedding=True),
+    "postln-dense": dict(backbone="postln", no_token_positional_embeddings=True, rel_pos_buckets=8),
+    "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, decoder_learned_pos=True,
+                       activation_fn="swiglu", moe_eval_capacity_factor=0.5),
+}
+
+
+def build_lm(d: Dictionary, **overrides) -> tuple[TsLanguageModel, object]:
+    a = model_args(**overrides)
+    torch.manual_seed(0)
+    model = TsLanguageModel.build_model(a, FakeTask(d))
+    with torch.no_grad():  # non-trivial LayerNorm affines, so a swapped weight/bias shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("_layernorm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval(), a
+
+
+def save_checkpoint(model: TsLanguageModel, a, path: Path, data: Path | None = None) -> Path:
+    """A checkpoint as fairseq-train writes it (``cfg.model`` with the architecture's name)."""
+    cfg = {"model": {**vars(a), "_name": "ts_lm_tiny"}, "common": {"model_parallel_size": 1},
+           "checkpoint": {"checkpoint_suffix": ""},
+           "task": {"_name": "language_modeling", "data": str(data) if data else None}}
+    torch.save({"cfg": cfg, "model": model.state_dict(), "extra_state": {}}, path)
+    return path
+
+
+def tokens_of(d: Dictionary, batch: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(d.nspecial, len(d), (batch, length), generator=g)
+    tokens[:, 0] = d.eos()
+    return tokens
+
+
+def fairseq_greedy(model: TsLanguageModel, d: Dictionary, prefix: torch.Tensor, total: int) -> list[list[int]]:
+    """Greedy (beam 1) continuations of ``prefix`` as fairseq-interactive decodes an LM:
+    ``</s>`` first, then the forced prefix; the final (forced) ``</s>`` dropped."""
+    gen = SequenceGenerator([model], d, beam_size=1, max_len_b=total, min_len=1)
+    sample = {"net_input": {"src_tokens": prefix, "src_lengths": torch.full((prefix.size(0),), prefix.size(1))}}
+    hypos = gen.generate([model], sample, prefix_tokens=prefix, bos_token=d.eos())
+    return [h[0]["tokens"][:-1].tolist() for h in hypos]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_matches_fairseq(case, tmp_path):
+    d = dictionary()
+    model, a = build_lm(d, **CASES[case])
+    export_hf(str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tokens = tokens_of(d, 3, 11, seed=1)
+    with torch.no_grad():
+        ref = model(tokens)[0]
+        got = hf(tokens).logits
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-4
+
+    # with a capacity the routing depends on the batch, and fairseq drops finished rows from it
+    rows = 1 if CASES[case].get("moe_eval_capacity_factor", 0) > 0 else 2
+    assert_same_greedy(model, hf, d, tokens[:rows, :5], total=12)
+
+
+def assert_same_greedy(model, hf, d: Dictionary, prompt: torch.Tensor, total: int) -> None:
+    """``generate()`` (KV cache) continues ``prompt`` (``</s>`` + prefix) as fairseq's greedy search."""
+    expected = fairseq_greedy(model, d, prompt[:, 1:], total)
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=total, do_sample=False, num_beams=1, bad_words_ids=[[d.pad()]],
+                          eos_token_id=d.eos(), pad_token_id=d.pad())
+    assert [row[1:1 + len(e)].tolist() for row, e in zip(out, expected)] == expected
+
+
+def test_padded_batch_and_loss(tmp_path):
+    """Left padding: each sequence's logits are those of the unpadded sequence (fairseq's
+    positions skip pads); ``labels`` give fairseq's mean next-token cross-entropy."""
+    d = dictionary()
+    model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1, decoder_learned_pos=True)
+    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tokens = tokens_of(d, 2, 9, seed=3)
+    padded = tokens.clone()
+    padded[1, :3] = d.pad()
+    mask = padded.ne(d.pad()).long()
+    with torch.no_grad():
+        got = hf(padded, attention_mask=mask).logits[1, 3:]
+        ref = model(tokens[1:, 3:])[0][0]
+        loss = hf(tokens, labels=tokens).loss
+        lprobs = model.get_normalized_probs(model(tokens), log_probs=True)
+    assert (got - ref).abs().max().item() < 1e-4
+    nll = -lprobs[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
+    assert abs(loss.item() - nll.item()) < 1e-5
+
+
+def test_sharded_safetensors(tmp_path):
+    d = dictionary()
+    model, a = build_lm(d, backbone="preln")
+    files = export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), max_shard_size="50KB")
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tokens = tokens_of(d, 2, 7, seed=2)
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_native_gpt2(tied, tmp_path):
+    """A Pre-LN dense model with learned positions is a stock ``GPT2LMHeadModel``."""
+    d = dictionary()
+    extra = dict(no_scale_embedding=True) if tied else dict(share_decoder_input_output_embed=False)
+    model, a = build_lm(d, backbone="preln", decoder_learned_pos=True, **extra)
+    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), fmt="gpt2")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    tokens = tokens_of(d, 2, 10, seed=4)
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)[0]).abs().max().item() < 1e-4
+    assert_same_greedy(model, hf, d, tokens[:2, :4], total=9)
+
+
+def test_gpt2_format_refuses_other_math(tmp_path):
+    d = dictionary()
+    model, a = build_lm(d, backbone="magneto")
+    with pytest.raises(TsConfigError, match="--format gpt2 cannot express --backbone magneto"):
+        export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), fmt="gpt2")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_gpt2_tokenizer_gives_fairseq_ids(tmp_path):
+    """With the GPT-2 BPE dictionary the folder has a tokenizer whose ids are the fairseq ids
+    (GPT-2 id + 4, ``</s>`` first), checked against tiktoken's GPT-2 encoding."""
+    from data_prep.prepare_lm import write_gpt2_dict
+    from torchscale_fairseq.data import gpt2_bpe
+
+    write_gpt2_dict(tmp_path / "dict.txt", gpt2_bpe.N_VOCAB)
+    d = Dictionary.load(str(tmp_path / "dict.txt"))
+    model, a = build_lm(d, backbone="magneto", decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
+    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt", data=tmp_path)), str(tmp_path / "hf"))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Hello world, it's 2026!\n  The café's naïve résumé\t— ok"
+    ids = tok(text).input_ids
+    assert ids == [d.eos()] + [i + 4 for i in gpt2_bpe.encode(text)]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
+    d = dictionary()
+    model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1)
+    ckpt = save_checkpoint(model, a, tmp_path / "c.pt")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+
+    def error(*args, **kwargs) -> str:
+        with pytest.raises(TsConfigError) as info:
+            export_hf(*args, **kwargs)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    assert "already exists" in error(str(ckpt), str(existing))
+    assert (existing / "keep.txt").read_text() == "mine" and len(list(existing.iterdir())) == 1
+    # an unknown architecture
+    state = torch.load(ckpt, weights_only=False)
+    state["cfg"]["model"]["_name"] = "transformer_lm"
+    torch.save(state, tmp_path / "other.pt")
+    assert "is not a ts_lm" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
+    # a model with an adaptive softmax (not implemented by the exported model)
+    state = torch.load(ckpt, weights_only=False)
+    state["cfg"]["model"]["adaptive_softmax_cutoff"] = "20,40"
+    torch.save(state, tmp_path / "adaptive.pt")
+    assert "adaptive softmax" in error(str(tmp_path / "adaptive.pt"), str(tmp_path / "o6"))
+    # a missing checkpoint / a missing expert shard / one expert shard passed alone
+    assert "no checkpoint" in error(str(tmp_path / "missing.pt"), str(tmp_path / "o2"))
+    state = torch.load(ckpt, weights_only=False)
+    state["model"] = {k: v[:2] if ".experts." in k else v for k, v in state["model"].items()}
+    state["cfg"]["distributed_training"] = {"distributed_rank": 0, "distributed_world_size": 2}
+    torch.save(state, tmp_path / "moe-shard0.pt")
+    assert "a part or shard is missing" in error(str(tmp_path / "moe.pt"), str(tmp_path / "o3"))
+    torch.save(state, tmp_path / "alone.pt")
+    assert "is one of 1 tensor-parallel part(s) x 2 expert shard(s)" in error(str(tmp_path / "alone.pt"),
+                                                                             str(tmp_path / "o4"))
+    assert "names one file of a sharded checkpoint" in error(str(tmp_path / "moe-shard0.pt"), str(tmp_path / "o5"))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_tensor_parallel_parts_and_expert_shards(tmp_path):
+    """A checkpoint saved as tensor-parallel parts (``-model_part-K``, split as ``ts-reshard``
+    splits them, vocabulary padded) or as expert shards (``-shardR``, each rank its experts)
+    exports to the same folder as the single file."""
+    from safetensors.torch import load_file
+
+    from torchscale_fairseq.checkpoints.convert import reshard_states
+    from torchscale_fairseq.checkpoints.layout import RECORD_KEY as TP_STATE_KEY
+    from torchscale_fairseq.model_parallel.partition import layout
+
+    d = dictionary()
+    model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8,
+                        share_decoder_input_output_embed=False)
+    single = torch.load(save_checkpoint(model, a, tmp_path / "single.pt"), weights_only=False)
+    single["extra_state"] = {TP_STATE_KEY: {"size": 1, "layout": layout(model), "params": None, "rng": {}}}
+    for rank, part in enumerate(reshard_states([single], 2)):
+        torch.save(part, tmp_path / f"tp-model_part-{rank}.pt")
+    for rank in range(2):
+        shard = {**single, "model": {k: v[2 * rank: 2 * rank + 2] if ".experts." in k else v
+                                     for k, v in single["model"].items()}}
+        shard["cfg"] = {**single["cfg"], "distributed_training": {"distributed_rank": rank,
+                                                                  "distributed_world_size": 2}}
+        torch.save(shard, tmp_path / f"ep-shard{rank}.pt")
+    assert torch.load(tmp_path / "tp-model_part-0.pt", weights_only=False)["model"][
+        "decoder.output_projection.weight"].size(0) == 128  # a slice of the padded vocabulary
+    for name in ("single", "tp", "ep"):
+        export_hf(str(tmp_path / f"{name}.pt"), str(tmp_path / f"hf-{name}"))
+    expected = load_file(tmp_path / "hf-single" / "model.safetensors")
+    for name in ("tp", "ep"):
+        got = load_file(tmp_path / f"hf-{name}" / "model.safetensors")
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -1,0 +1,151 @@
+"""``ts-import-torchscale``: a TorchScale 0.3.0 ``Decoder`` with random weights, saved, imported,
+gives the same logits as ``ts_lm`` (loaded as ``fairseq-eval-lm`` loads it) and after
+``ts-export-hf``; ``fairseq-train --restore-file`` takes the import.
+
+TorchScale imports ``fairscale`` and ``timm`` at module level; where they are not installed the
+tests put the two-function doubles of ``tests/interop/doubles`` on the path while importing it."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="needs the export extra: pip install -e .[export]")
+from fairseq import checkpoint_utils  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq.modules import PositionalEmbedding  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from tests.cli_utils import USER_DIR, run_many, tool  # noqa: E402
+from tests.model_utils import dictionary  # noqa: E402
+from torchscale_fairseq.errors import TsConfigError  # noqa: E402
+from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
+from torchscale_fairseq.interop.torchscale_import import import_torchscale  # noqa: E402
+
+DOUBLES = str(Path(__file__).parent / "doubles")
+
+
+@pytest.fixture(scope="module")
+def torchscale():
+    """``(DecoderConfig, Decoder)`` of the real torchscale package."""
+    pytest.importorskip("torchscale", reason="pip install torchscale==0.3.0")
+    missing = [m for m in ("fairscale", "timm") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.path.insert(0, DOUBLES)
+    try:
+        from torchscale.architecture.config import DecoderConfig
+        from torchscale.architecture.decoder import Decoder
+    finally:
+        if missing:
+            sys.path.remove(DOUBLES)
+            for name in [n for n in sys.modules if n.split(".")[0] in missing]:
+                del sys.modules[name]
+    return DecoderConfig, Decoder
+
+
+def torchscale_decoder(torchscale, d: Dictionary, positions: str, **config):
+    """A random TorchScale ``Decoder``; ``positions``: fairseq's ``learned`` or ``sinusoidal`` table, or ``none``."""
+    DecoderConfig, Decoder = torchscale
+    cfg = DecoderConfig(vocab_size=len(d), decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=64,
+                        decoder_layers=2, max_target_positions=64, **config)
+    torch.manual_seed(0)
+    embed = nn.Embedding(len(d), 32, padding_idx=d.pad())
+    nn.init.normal_(embed.weight, std=32**-0.5)
+    table = None if positions == "none" else PositionalEmbedding(64, 32, d.pad(), learned=positions == "learned")
+    decoder = Decoder(cfg, embed_tokens=embed, embed_positions=table).eval()
+    with torch.no_grad():  # non-trivial LayerNorm affines and biases
+        for name, p in decoder.named_parameters():
+            if "norm" in name or "_ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return decoder, cfg
+
+
+def save_torchscale(decoder, cfg, path: Path) -> Path:
+    torch.save({"model": decoder.state_dict(), "args": dict(vars(cfg))}, path)
+    return path
+
+
+def data_dir(d: Dictionary, path: Path) -> Path:
+    path.mkdir()
+    d.save(str(path / "dict.txt"))
+    return path
+
+
+CASES = {
+    "magneto-xpos": dict(config=dict(subln=True, xpos_rel_pos=True), positions="none"),
+    "magneto-learned-scaled": dict(config=dict(subln=True, no_scale_embedding=False), positions="learned"),
+    "deepnorm-sinusoidal": dict(config=dict(deepnorm=True, share_decoder_input_output_embed=True,
+                                            activation_fn="relu"), positions="sinusoidal"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_matches_torchscale(case, torchscale, tmp_path):
+    spec = CASES[case]
+    d = dictionary()
+    decoder, cfg = torchscale_decoder(torchscale, d, spec["positions"], **spec["config"])
+    tokens = torch.randint(d.nspecial, len(d), (2, 13), generator=torch.Generator().manual_seed(1))
+    tokens[:, 0] = d.eos()
+    with torch.no_grad():
+        ref = decoder(tokens)[0]
+    if spec["config"].get("deepnorm"):
+        assert decoder.layers[0].alpha == pytest.approx(math.pow(4.0, 0.25))
+    src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
+    data = data_dir(d, tmp_path / "data")
+    without_table = "none" if spec["positions"] == "learned" else spec["positions"]
+    import_torchscale(str(src), str(tmp_path / "ts_lm.pt"), str(data), without_table)
+
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ts_lm.pt")])
+    model = models[0].eval()
+    with torch.no_grad():
+        got = model(tokens)[0]
+    assert (got - ref).abs().max().item() < 1e-4
+
+    export_hf(str(tmp_path / "ts_lm.pt"), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert (hf(tokens).logits - ref).abs().max().item() < 1e-4
+
+
+def test_import_restores_in_fairseq_train(torchscale, lm_data, tmp_path):
+    """``fairseq-train --restore-file`` continues from the import with the flags it returns
+    (``fairseq-eval-lm`` loads models with ``load_model_ensemble_and_task``, tested above)."""
+    d = Dictionary.load(str(lm_data / "dict.txt"))
+    decoder, cfg = torchscale_decoder(torchscale, d, "learned", subln=True)
+    src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
+    ckpt = tmp_path / "ts_lm.pt"
+    flags = import_torchscale(str(src), str(ckpt), str(lm_data))
+    (trained,) = run_many([
+        [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--cpu", "--tokens-per-sample", "32",
+         "--task", "language_modeling", "--arch", "ts_lm", *flags,
+         "--restore-file", ckpt, "--reset-optimizer", "--reset-dataloader", "--reset-meters",
+         "--optimizer", "adam", "--lr", "1e-4", "--max-tokens", "256", "--max-update", "2",
+         "--save-dir", tmp_path / "train", "--no-save", "--log-format", "simple", "--log-interval", "1"],
+    ])
+    log = trained.stderr + trained.stdout
+    assert f"Loaded checkpoint {ckpt}" in log and "num_updates 2" in log.replace("num_updates=", "num_updates ")
+
+
+def test_import_bad_inputs(torchscale, tmp_path):
+    d = dictionary()
+    data = data_dir(d, tmp_path / "data")
+    decoder, cfg = torchscale_decoder(torchscale, d, "none", subln=True, rel_pos_buckets=8, max_rel_pos=32)
+    src = save_torchscale(decoder, cfg, tmp_path / "relpos.pt")
+    with pytest.raises(TsConfigError, match="bidirectional"):
+        import_torchscale(str(src), str(tmp_path / "out.pt"), str(data))
+    (tmp_path / "exists.pt").write_text("mine")
+    with pytest.raises(TsConfigError, match="already exists"):
+        import_torchscale(str(src), str(tmp_path / "exists.pt"), str(data))
+    assert (tmp_path / "exists.pt").read_text() == "mine"
+    small = data_dir(dictionary(10), tmp_path / "small")
+    decoder, cfg = torchscale_decoder(torchscale, d, "none", subln=True)
+    src = save_torchscale(decoder, cfg, tmp_path / "ok.pt")
+    with pytest.raises(TsConfigError, match="entries but the embedding"):
+        import_torchscale(str(src), str(tmp_path / "out.pt"), str(small))
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,36 @@
+"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce`` and
+``all_gather`` while active and records ``(collective, direction, numel)`` for each call,
+``direction`` being ``backward`` inside an autograd backward pass."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+RECORDED = ("all_reduce", "all_gather")
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
+    log: list[tuple[str, str, int]] = []
+    originals = {name: getattr(dist, name) for name in RECORDED}
+
+    def recorder(name: str):
+        def call(first, *args, **kwargs):
+            tensor = first if name == "all_reduce" else args[0]
+            direction = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            log.append((name, direction, tensor.numel()))
+            return originals[name](first, *args, **kwargs)
+
+        return call
+
+    for name in RECORDED:
+        setattr(dist, name, recorder(name))
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

@@ -1,0 +1,389 @@
+"""How a sharded checkpoint is named, described and checked: one layout for tensor-parallel
+parts and expert shards.
+
+Names. A checkpoint ``NAME.pt`` saved by ``T`` tensor-parallel ranks whose experts are
+spread over ``S`` data-parallel ranks is the grid of files
+``NAME{base}{-model_part-k if T > 1}{-shard r if S > 1}.pt`` for ``k < T``, ``r < S``
+(:func:`checkpoint_suffix`; ``base`` is the user's ``--checkpoint-suffix``).
+
+Record. Every file holds ``extra_state["ts_tensor_parallel"]`` (:func:`describe`)::
+
+    {"size": T, "rank": k, "layout": {name: {"dim", "stride", "vocab"}},
+     "params": [trainable parameter names, optimizer order], "rng": tracker state,
+     "expert_parallel": {"size": S, "rank": r, "experts": E, "tensors": [expert names]}}
+
+``layout`` says which tensors are split along which dimension with which stride and which
+dimension is a padded vocabulary (:mod:`torchscale_fairseq.model_parallel.partition`);
+expert tensors stack a rank's local experts along dimension 0 (:data:`EXPERT_DIM`).
+Checkpoints saved before ``expert_parallel`` and ``rank`` were recorded are read from
+their config (:func:`read_record`): the tensor-parallel size from
+``cfg.common.model_parallel_size``, both ranks from the global rank and world size
+(tensor-parallel groups are consecutive ranks, Megatron-LM appendix B.1), the expert
+count from ``cfg.model.moe_expert_count``.
+
+Checks. :func:`check_tensor_parallel_size`, :func:`check_expert_shards` and
+:func:`check_checkpoint_name` refuse a mismatched load with one line naming the
+conversion command (``ts-reshard``, ``ts-consolidate-experts``).
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.attributes import expert_group, is_expert
+from torchscale_fairseq.model_parallel.partition import layout
+from torchscale_fairseq.model_parallel.process_groups import tensor_parallel_groups_layout
+
+RECORD_KEY = "ts_tensor_parallel"
+EXPERT_RECORD_KEY = "expert_parallel"
+PART_SUFFIX = "-model_part-"
+SHARD_SUFFIX = "-shard"
+EXPERT_DIM = 0
+LEGACY_EXPERT_KEY = re.compile(r"\.experts\.")  # expert tensors of checkpoints without a record
+RESHARD_COMMAND = "ts-reshard"
+CONSOLIDATE_COMMAND = "ts-consolidate-experts"
+
+_SUFFIX = re.compile(rf"^(?P<base>.*?)(?:{PART_SUFFIX}(?P<part>\d+))?(?:{SHARD_SUFFIX}(?P<shard>\d+))?$")
+
+
+# names ---------------------------------------------------------------------------------
+
+
+def checkpoint_suffix(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, base_suffix: str = "") -> str:
+    """``base_suffix`` + ``-model_part-{tp_rank}`` when ``tp_size > 1`` + ``-shard{ep_rank}``
+    when ``ep_size > 1`` (the file of one rank is ``NAME{suffix}.pt``)."""
+    suffix = base_suffix
+    if tp_size > 1:
+        suffix += f"{PART_SUFFIX}{tp_rank}"
+    if ep_size > 1:
+        suffix += f"{SHARD_SUFFIX}{ep_rank}"
+    return suffix
+
+
+def split_suffix(suffix: str) -> tuple[str, int | None, int | None]:
+    """``(base, tp_rank, ep_rank)`` of a suffix made by :func:`checkpoint_suffix` (a rank
+    is ``None`` when its part is absent)."""
+    match = _SUFFIX.match(suffix)
+    part, shard = match.group("part"), match.group("shard")
+    return match.group("base"), None if part is None else int(part), None if shard is None else int(shard)
+
+
+def file_name(name: str, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int) -> str:
+    """The file of rank ``(tp_rank, ep_rank)`` of checkpoint ``name`` (``NAME.pt``)."""
+    return f"{name[:-3]}{checkpoint_suffix(tp_rank, tp_size, ep_rank, ep_size)}.pt"
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one checkpoint: ``paths[(tp_rank, ep_rank)]`` over a full grid."""
+
+    name: str
+    tp_size: int
+    ep_size: int
+    paths: dict[tuple[int, int], str]
+
+
+def _grid_positions(name: str) -> dict[tuple[int | None, int | None], str]:
+    """Every file ``NAME{-model_part-k}{-shard r}.pt`` that exists, by ``(k, r)``."""
+    stem = name[:-3]
+    found = {}
+    for path in glob.glob(f"{glob.escape(stem)}*.pt"):
+        rest = path[len(stem):-3]
+        base, part, shard = split_suffix(rest)
+        if base == "":
+            found[(part, shard)] = path
+    return found
+
+
+def has_saved_files(name: str) -> bool:
+    """Whether any file of checkpoint ``name`` (``NAME.pt``, a part or a shard) exists."""
+    return bool(_grid_positions(name))
+
+
+_UPDATE_CHECKPOINT = re.compile(r"^checkpoint_\d+_(?P<update>\d+)$")
+
+
+def newest_complete_checkpoint(save_dir: str, at_most: int, base_suffix: str = "") -> str | None:
+    """The newest of fairseq's interval checkpoints ``checkpoint_E_U{base_suffix}.pt`` in
+    ``save_dir`` with ``U <= at_most`` whose every part and shard exists, as the
+    ``--restore-file`` that names it (``save_dir/checkpoint_E_U.pt``), or ``None``."""
+    best: tuple[int, str] | None = None
+    for path in glob.glob(os.path.join(glob.escape(save_dir), "checkpoint_*.pt")):
+        base = split_suffix(os.path.basename(path)[:-3])[0]
+        if base_suffix and not base.endswith(base_suffix):
+            continue
+        match = _UPDATE_CHECKPOINT.match(base[:len(base) - len(base_suffix)])
+        if match is None or int(match["update"]) > at_most or (best and int(match["update"]) <= best[0]):
+            continue
+        try:
+            find_checkpoint_files(os.path.join(save_dir, f"{base}.pt"))
+        except TsConfigError:
+            continue
+        best = (int(match["update"]), os.path.join(save_dir, f"{match.group(0)}.pt"))
+    return None if best is None else best[1]
+
+
+def find_checkpoint_files(name: str, flag: str = "the checkpoint name") -> CheckpointFiles:
+    """All files of checkpoint ``name`` (``NAME.pt``, as fairseq names it) as a full
+    ``(tp_rank, ep_rank)`` grid; one-line errors for a part or shard named instead of the
+    checkpoint, nothing found, files of two layouts, and a missing file."""
+    if not name.endswith(".pt"):
+        raise TsConfigError(f"{name} is not a checkpoint name ending in .pt: check {flag}")
+    _, part, shard = split_suffix(os.path.basename(name)[:-3])
+    if part is not None or shard is not None:
+        raise TsConfigError(
+            f"{name} names one file of a sharded checkpoint: pass the checkpoint name without "
+            f"'{PART_SUFFIX}K' and '{SHARD_SUFFIX}R'"
+        )
+    found = _grid_positions(name)
+    if not found:
+        raise TsConfigError(
+            f"no checkpoint {name} (nor its parts {name[:-3]}{PART_SUFFIX}K.pt or shards "
+            f"{name[:-3]}{SHARD_SUFFIX}R.pt): check {flag}"
+        )
+    kinds = {(k is not None, r is not None) for k, r in found}
+    if len(kinds) > 1:
+        shown = ", ".join(sorted(os.path.basename(p) for p in found.values())[:4])
+        raise TsConfigError(
+            f"{name} has files of different layouts ({shown}): move the files of other runs out of "
+            f"{os.path.dirname(name) or '.'}"
+        )
+    tp_size = 1 + max(k or 0 for k, _ in found)
+    ep_size = 1 + max(r or 0 for _, r in found)
+    parted, sharded = kinds.pop()
+    paths = {}
+    for k in range(tp_size):
+        for r in range(ep_size):
+            key = (k if parted else None, r if sharded else None)
+            if key not in found:
+                missing = file_name(name, k, tp_size if parted else 1, r, ep_size if sharded else 1)
+                raise TsConfigError(f"{missing} is missing: a checkpoint part or expert shard is incomplete")
+            paths[(k, r)] = found[key]
+    return CheckpointFiles(name, tp_size, ep_size, paths)
+
+
+# record --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What one checkpoint file holds (see the module docstring). ``ep_size`` counts the
+    expert shards (1: all experts in this file); ``experts`` is the total expert count
+    (0: dense); ``tp_layout`` is the record's ``layout`` (``None`` when none was recorded:
+    saved before ``ts-reshard`` existed), ``params`` its optimizer-order parameter names,
+    ``expert_tensors`` the expert tensor names (``None``: found by name pattern);
+    ``tp_rank`` ``None`` when neither recorded nor configured."""
+
+    tp_size: int = 1
+    tp_rank: int | None = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    experts: int = 0
+    tp_layout: dict[str, dict[str, int | None]] | None = None
+    params: list[str] | None = None
+    expert_tensors: list[str] | None = None
+    rng: dict = field(default_factory=dict)
+
+    def is_expert_key(self, key: str) -> bool:
+        if self.expert_tensors is not None:
+            return key in self.expert_tensors
+        return bool(LEGACY_EXPERT_KEY.search(key))
+
+
+def expert_count(model: torch.nn.Module) -> int:
+    """``E``: a rank's local experts (dimension 0 of an expert tensor) times the ranks of
+    its all-to-all group."""
+    for param in model.parameters():
+        if is_expert(param):
+            group = expert_group(param)
+            return param.size(EXPERT_DIM) * (dist.get_world_size(group) if group is not None else 1)
+    return 0
+
+
+def describe(
+    model: torch.nn.Module, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int, rng_state: dict
+) -> dict[str, Any]:
+    """The record of the module docstring, for ``extra_state[RECORD_KEY]``; ``ep_size``
+    is the number of expert shards (1 unless every data-parallel rank saves its own)."""
+    expert_names = {id(p) for p in model.parameters() if is_expert(p)}
+    return {
+        "size": tp_size,
+        "rank": tp_rank,
+        "layout": layout(model),
+        "params": [name for name, p in model.named_parameters() if p.requires_grad],
+        "rng": rng_state,
+        EXPERT_RECORD_KEY: {
+            "size": ep_size,
+            "rank": ep_rank,
+            "experts": expert_count(model),
+            "tensors": [name for name, p in model.named_parameters(remove_duplicate=False)
+                        if id(p) in expert_names],
+        },
+    }
+
+
+def _get(cfg: Any, *keys: str) -> Any:
+    for key in keys:
+        cfg = cfg.get(key) if cfg is not None and hasattr(cfg, "get") else None
+    return cfg
+
+
+def saved_model_parallel_size(state: dict[str, Any]) -> int:
+    """The tensor-parallel size a checkpoint was saved at (1 when unrecorded)."""
+    size = _get(state.get("cfg"), "common", "model_parallel_size")
+    if size is None:
+        size = getattr(state.get("args"), "model_parallel_size", None)
+    return int(size or 1)
+
+
+def read_record(state: dict[str, Any]) -> CheckpointLayout:
+    """The :class:`CheckpointLayout` of a loaded checkpoint, from its record or, for a
+    checkpoint saved before the record had ``rank`` and ``expert_parallel``, from its config."""
+    recorded = (state.get("extra_state") or {}).get(RECORD_KEY) or {}
+    cfg = state.get("cfg")
+    tp_size = int(recorded.get("size") or saved_model_parallel_size(state))
+    experts = int(_get(cfg, "model", "moe_expert_count") or getattr(state.get("args"), "moe_expert_count", 0) or 0)
+    expert_record = recorded.get(EXPERT_RECORD_KEY)
+    if expert_record is not None and "rank" in recorded:
+        tp_rank, ep_size, ep_rank = int(recorded["rank"]), int(expert_record["size"]), int(expert_record["rank"])
+        experts, expert_tensors = int(expert_record["experts"]), list(expert_record["tensors"])
+    else:
+        tp_rank, ep_size, ep_rank = _ranks_from_config(state, tp_size, experts)
+        expert_tensors = None
+    return CheckpointLayout(tp_size, tp_rank, ep_size, ep_rank, experts, recorded.get("layout"),
+                            recorded.get("params"), expert_tensors, recorded.get("rng") or {})
+
+
+def _ranks_from_config(state: dict[str, Any], tp_size: int, experts: int) -> tuple[int | None, int, int]:
+    """``(tp_rank, ep_size, ep_rank)`` from the global rank and world size: experts are
+    sharded when the model has experts and more than one data-parallel rank (a config
+    without them: one unsharded file, ``tp_rank`` unknown at ``tp_size > 1``)."""
+    cfg = state.get("cfg")
+    world = _get(cfg, "distributed_training", "distributed_world_size")
+    rank = _get(cfg, "distributed_training", "distributed_rank")
+    if world is None or rank is None:
+        return (0 if tp_size == 1 else None), 1, 0
+    world, rank = int(world), int(rank)
+    if world % tp_size != 0 or not 0 <= rank < world:
+        raise TsConfigError(
+            f"the checkpoint records rank {rank} of {world} at --model-parallel-size {tp_size}, which is not a "
+            "valid layout: it was not saved by fairseq-train with this plugin"
+        )
+    tp_groups, dp_groups = tensor_parallel_groups_layout(world, tp_size)
+    tp_rank = next(g.index(rank) for g in tp_groups if rank in g)
+    dp_rank = next(g.index(rank) for g in dp_groups if rank in g)
+    dp_size = world // tp_size
+    if experts > 0 and dp_size > 1:
+        return tp_rank, dp_size, dp_rank
+    return tp_rank, 1, 0
+
+
+def write_record(state: dict[str, Any], new: CheckpointLayout) -> None:
+    """Make ``state`` describe ``new``: the record, and the config fields fairseq and
+    :func:`read_record` read (sizes, ranks, checkpoint suffix), where present."""
+    extra_state = dict(state.get("extra_state") or {})
+    record = {
+        **(extra_state.get(RECORD_KEY) or {}),
+        "size": new.tp_size,
+        "rank": new.tp_rank,
+        "params": new.params,
+        "rng": new.rng,
+        EXPERT_RECORD_KEY: {"size": new.ep_size, "rank": new.ep_rank, "experts": new.experts,
+                            "tensors": sorted(k for k in state.get("model", {}) if new.is_expert_key(k))},
+    }
+    if new.tp_layout is not None:
+        record["layout"] = new.tp_layout
+    state["extra_state"] = {**extra_state, RECORD_KEY: record}
+    state["cfg"] = cfg = copy.deepcopy(state.get("cfg"))
+    if cfg is not None:
+        if cfg.get("common") is not None:
+            cfg["common"]["model_parallel_size"] = new.tp_size
+        distributed = cfg.get("distributed_training")
+        if distributed is not None:
+            if "model_parallel_size" in distributed:
+                distributed["model_parallel_size"] = new.tp_size
+            distributed["distributed_world_size"] = new.tp_size * new.ep_size
+            distributed["distributed_rank"] = new.ep_rank * new.tp_size + new.tp_rank
+        if cfg.get("checkpoint") is not None:
+            base = split_suffix(cfg["checkpoint"].get("checkpoint_suffix") or "")[0]
+            cfg["checkpoint"]["checkpoint_suffix"] = checkpoint_suffix(new.tp_rank, new.tp_size, 0, 1, base)
+    if state.get("args") is not None:
+        state["args"] = copy.copy(state["args"])
+        state["args"].model_parallel_size = new.tp_size
+
+
+# checks --------------------------------------------------------------------------------
+
+
+def checkpoint_name(path: str) -> str:
+    """The checkpoint name (``NAME.pt``) of one of its files."""
+    directory, base = os.path.split(path)
+    return os.path.join(directory, split_suffix(base[:-3])[0] + ".pt") if base.endswith(".pt") else path
+
+
+def reshard_hint(path: str, saved: int, wanted: int) -> str:
+    """The one line for parts saved at tensor-parallel size ``saved`` loaded at ``wanted``."""
+    name = checkpoint_name(path)
+    return (
+        f"{path} was saved at --model-parallel-size {saved} but this run uses {wanted}: "
+        f"reshard it first with `{RESHARD_COMMAND} --input {name} --size {wanted} --output NEW.pt` (then use NEW.pt)"
+    )
+
+
+def consolidate_hint(path: str, saved: int, wanted: int) -> str:
+    """The one line for a file of ``saved`` expert shards loaded where ``wanted`` are used."""
+    name = checkpoint_name(path)
+    return (
+        f"{path} is one of {saved} expert shards but this run uses {wanted}: merge them first with "
+        f"`{CONSOLIDATE_COMMAND} {name} -o NEW.pt` (then use NEW.pt)"
+    )
+
+
+def check_tensor_parallel_size(state: dict[str, Any], path: str, wanted: int) -> None:
+    """Refuse parts saved at another tensor-parallel size."""
+    saved = saved_model_parallel_size(state)
+    if saved != wanted:
+        raise TsConfigError(reshard_hint(path, saved, wanted))
+
+
+def check_expert_shards(state: dict[str, Any], path: str, wanted: int) -> None:
+    """Refuse a file of ``S`` expert shards where ``wanted`` shards are used (a
+    consolidated checkpoint, ``S = 1``, needs ``wanted = 1``; its experts can be sharded again
+    only by training, so the hint names consolidation only when ``wanted`` is 1)."""
+    record = read_record(state)
+    if record.ep_size == wanted:
+        return
+    if wanted == 1:
+        raise TsConfigError(consolidate_hint(path, record.ep_size, wanted))
+    raise TsConfigError(
+        f"{path} holds the experts of {record.ep_size} data-parallel rank(s) but this run has {wanted}: "
+        f"resume with {record.ep_size} data-parallel ranks per tensor-parallel rank, or start from "
+        f"`{CONSOLIDATE_COMMAND}`'s output with --restore-file and --reset-optimizer"
+    )
+
+
+def check_checkpoint_name(filename: str, wanted: int) -> None:
+    """One line for a checkpoint name that does not match ``--model-parallel-size``
+    ``wanted`` when fairseq's file for it is missing: a part named instead of the
+    checkpoint, a single file loaded with ``wanted > 1``, parts loaded with ``wanted = 1``."""
+    if PART_SUFFIX in os.path.basename(filename):
+        raise TsConfigError(
+            f"{filename} names one checkpoint part: pass the name without '{PART_SUFFIX}K' "
+            "(fairseq appends each rank's part suffix itself)"
+        )
+    if wanted > 1 and os.path.exists(filename):
+        raise TsConfigError(reshard_hint(filename, 1, wanted))
+    if wanted == 1 and os.path.exists(f"{filename[:-3]}{PART_SUFFIX}0.pt"):
+        saved = 1
+        while os.path.exists(f"{filename[:-3]}{PART_SUFFIX}{saved}.pt"):
+            saved += 1
+        raise TsConfigError(reshard_hint(filename, saved, wanted))

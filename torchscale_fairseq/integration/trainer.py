@@ -1,0 +1,308 @@
+"""The trainer ``fairseq-train`` uses with this plugin, at every tensor-parallel size
+(installed by :func:`torchscale_fairseq.integration.install.install`). As fairseq's own
+``MegatronTrainer``, it changes training by overriding ``Trainer``:
+
+- data parallelism runs over our data-parallel group under tensor parallelism
+  (Megatron-LM appendix B.1): gradients are averaged and batches sharded over it, and
+  the ranks of one tensor-parallel group see identical batches;
+- the gradient norm counts every gradient once (``utils.clip_grad_norm_`` is
+  :mod:`.clip_grad_norm`); fp32 master copies carry their parameters' attributes;
+  SparseClip's dense and expert parts are logged on unscaled gradients;
+- ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`);
+- a non-finite gradient norm skips the update in every precision mode and on every
+  device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
+  calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
+  ``--max-skipped-updates`` skips in a row training stops with one line;
+- an MoE model with a criterion that ignores the balance loss is refused before any step
+  (:mod:`torchscale_fairseq.criterions.balance_check`);
+- expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
+  out and their gradients are averaged over their replica groups;
+- checkpoints: with experts spread over data-parallel ranks every rank saves and loads
+  its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
+  ``-model_part-<k>`` part; every checkpoint records the tensor-parallel layout and the
+  RNG tracker; a failed write is one line and leaves the previous checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from fairseq.distributed import utils as distributed_utils
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
+from omegaconf import open_dict
+
+from torchscale_fairseq.checkpoints.layout import (
+    RECORD_KEY,
+    checkpoint_name,
+    checkpoint_suffix,
+    describe,
+    find_checkpoint_files,
+    has_saved_files,
+    newest_complete_checkpoint,
+    split_suffix,
+)
+from torchscale_fairseq.compat.checkpoint_writes import checkpoint_write_error, remove_if_present
+from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
+from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
+from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
+from torchscale_fairseq.model_parallel.random import get_rng_tracker
+from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
+from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
+from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
+from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
+
+logger = logging.getLogger(__name__)
+
+EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
+
+
+class SkippedUpdate(Exception):
+    """The update is skipped (non-finite gradient norm or fp16 overflow)."""
+
+
+def carry_parallel_attributes(optimizer: Any) -> None:
+    """Give fp16's fp32 master copies the attributes of their parameters: one master
+    per parameter gets its attributes, a flat master remembers its source parameters."""
+    masters = getattr(optimizer, "fp32_params", None)
+    sources = getattr(optimizer, "fp16_params", None)
+    if masters is None or sources is None:
+        return
+    if isinstance(masters, dict):
+        for master in masters.values():
+            setattr(master, FLAT_MASTER_SOURCES, list(sources))
+    else:
+        for param, master in zip(sources, masters):
+            copy_parallel_attributes(master, param)
+
+
+def _sparse_clip(optimizer: Any) -> SparseClip | None:
+    """The SparseClip optimizer inside fairseq's precision wrappers, if any."""
+    inner = getattr(optimizer, "fp32_optimizer", None) or getattr(optimizer, "wrapped_optimizer", None) or optimizer
+    return inner if isinstance(inner, SparseClip) else None
+
+
+def _pending_factor(optimizer: Any) -> float | torch.Tensor:
+    """What fairseq's fp16/bf16 wrappers still multiply the gradients by (1 / loss scale); a
+    copy, since clipping later multiplies the wrapper's tensor in place."""
+    factor = getattr(optimizer, "_multiply_factor", 1.0)
+    return factor.clone() if torch.is_tensor(factor) else factor
+
+
+class TsTrainer(Trainer):
+    """fairseq's ``Trainer`` with the changes listed in the module docstring."""
+
+    def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
+        if cfg.common.model_parallel_size > 1 and not groups.model_parallel_is_initialized():
+            raise multi_process_error(cfg.common.model_parallel_size)
+        check_foreign_flags(cfg.optimizer)
+        bf16_without_tpu(cfg)
+        check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
+        super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
+        self.skipped_in_a_row = 0
+
+    # data parallelism -------------------------------------------------------------
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        if self.cfg.distributed_training.distributed_world_size == 1:
+            return 1
+        return groups.get_data_parallel_world_size()
+
+    @property
+    def data_parallel_process_group(self):
+        if groups.model_parallel_is_initialized():
+            return groups.get_data_parallel_group()
+        return distributed_utils.get_data_parallel_group()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        if self.cfg.distributed_training.distributed_world_size == 1:
+            return 0
+        return groups.get_data_parallel_rank()
+
+    @property
+    def model(self):
+        if self._wrapped_model is None and self.use_distributed_wrapper:
+            experts = expert_parameter_names(self._model)
+            if experts:
+                backend = self.cfg.distributed_training.ddp_backend
+                if backend not in EXPERT_DDP_BACKENDS:
+                    raise TsConfigError(
+                        f"--ddp-backend {backend} cannot keep experts apart: use --ddp-backend c10d or legacy_ddp"
+                    )
+                self._model._ddp_params_and_buffers_to_ignore = experts
+                wrapped = super().model
+                self._sync_experts_after(wrapped)
+                return wrapped
+        return super().model
+
+    def _sync_experts_after(self, wrapped) -> None:
+        """The wrapper's ``all_reduce_grads`` (called by every fairseq optimizer before
+        clipping) also averages the expert gradients."""
+        previous = getattr(wrapped, "all_reduce_grads", None)
+        size = self.data_parallel_world_size
+
+        def all_reduce_grads() -> None:
+            if previous is not None:
+                previous()
+            sync_expert_grads(self._model, size)
+
+        object.__setattr__(wrapped, "all_reduce_grads", all_reduce_grads)
+
+    # optimizer, gradient norm, skipped updates ------------------------------------------
+
+    def _build_optimizer(self) -> None:
+        super()._build_optimizer()
+        carry_parallel_attributes(self._optimizer)
+
+    def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
+        factor = _pending_factor(self.optimizer)
+        try:
+            norm = super().clip_grad_norm(clip_norm)
+        except OverflowError as e:  # fp16's loss scaler saw an overflow (and adapted)
+            self._log_norm_parts(factor)
+            raise SkippedUpdate(str(e)) from e
+        self._log_norm_parts(factor)
+        if not self.cfg.common.amp and not bool(torch.isfinite(norm).all()):
+            raise SkippedUpdate(f"non-finite gradient norm {float(norm)}: update skipped")
+        return norm
+
+    def _log_norm_parts(self, factor: float | torch.Tensor) -> None:
+        sparse = _sparse_clip(self.optimizer)
+        if sparse is None or sparse.last_norm is None:
+            return
+        # logged as tensors (as fairseq logs gnorm): no host sync per step
+        metrics.log_scalar("gnorm_dense", sparse.last_norm.dense * factor, priority=710, round=3)
+        metrics.log_scalar("gnorm_expert", sparse.last_norm.expert * factor, priority=720, round=3)
+
+    @metrics.aggregate("train")
+    def train_step(self, samples, raise_oom: bool = False):
+        try:
+            logging_output = super().train_step(samples, raise_oom)
+        except SkippedUpdate as e:
+            return self._skip_update(str(e))
+        self.skipped_in_a_row = 0
+        return logging_output
+
+    def _skip_update(self, reason: str) -> None:
+        """fairseq's overflow path: no update counted, no parameter changed."""
+        logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {reason}")
+        if hasattr(self, "param_names") and hasattr(self.optimizer, "fp32_optimizer"):
+            for p, name in zip(self.optimizer.fp32_optimizer.params, self.param_names):
+                if not bool(torch.isfinite(p.grad).all()):
+                    logger.info(f"overflow in param {name}")
+        self.zero_grad()
+        if self.cfg.common.fp16 or self.cfg.common.amp:
+            scaler = self.optimizer.scaler
+            scale = scaler.loss_scale if self.cfg.common.fp16 else scaler.get_scale()
+            metrics.log_scalar("loss_scale", scale, priority=700, round=4, weight=0)
+        metrics.log_stop_time("train_wall")
+        if not self.cfg.common.fp16:  # fp16's scaler stops itself at --min-loss-scale
+            self.skipped_in_a_row += 1
+            limit = getattr(self.cfg.model, "max_skipped_updates", MAX_SKIPPED_UPDATES)
+            if 0 < limit <= self.skipped_in_a_row:
+                raise TsConfigError(
+                    f"{self.skipped_in_a_row} updates in a row skipped for a non-finite gradient norm (after update "
+                    f"{self.get_num_updates()}): lower --lr, add warm-up or --clip-norm, check the data, or raise "
+                    "--max-skipped-updates"
+                )
+        return None
+
+    # checkpoints --------------------------------------------------------------------
+
+    @property
+    def is_expert_sharded(self) -> bool:
+        """Experts are spread over data-parallel ranks: each rank saves its own shard."""
+        return self.data_parallel_world_size > 1 and any(is_expert(p) for p in self._model.parameters())
+
+    @property
+    def should_save_checkpoint_on_current_rank(self) -> bool:
+        return True if self.is_expert_sharded else super().should_save_checkpoint_on_current_rank
+
+    @property
+    def expert_parallel_size_and_rank(self) -> tuple[int, int]:
+        """``(number of expert shards, this rank's shard)``: ``(1, 0)`` unless sharded."""
+        return (self.data_parallel_world_size, self.data_parallel_rank) if self.is_expert_sharded else (1, 0)
+
+    @property
+    def checkpoint_suffix(self) -> str:
+        base = split_suffix(super().checkpoint_suffix)[0]  # without the part distributed_init appended
+        ep_size, ep_rank = self.expert_parallel_size_and_rank
+        return checkpoint_suffix(groups.get_tensor_parallel_rank(), groups.get_tensor_parallel_world_size(),
+                                 ep_rank, ep_size, base)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        ep_size, ep_rank = self.expert_parallel_size_and_rank
+        state["extra_state"][RECORD_KEY] = describe(
+            self.get_model(), groups.get_tensor_parallel_world_size(), groups.get_tensor_parallel_rank(),
+            ep_size, ep_rank, get_rng_tracker().state_dict())
+        return state
+
+    def save_checkpoint(self, filename: str, extra_state: dict):
+        if self.is_expert_sharded:
+            os.makedirs(os.path.dirname(os.path.abspath(filename)), exist_ok=True)
+        try:
+            return super().save_checkpoint(filename, extra_state)
+        except OSError as e:
+            if "://" not in str(filename):
+                remove_if_present(f"{filename}.tmp")
+            raise checkpoint_write_error(filename, e) from e
+
+    def _check_saved_layout(self, filename: str) -> None:
+        """This rank's file is missing but the checkpoint was saved with another layout
+        (another tensor-parallel size or data-parallel size of an expert-sharded run): one
+        line instead of a silent fresh start."""
+        name = checkpoint_name(filename)
+        if "://" in filename or os.path.exists(filename) or not has_saved_files(name):
+            return
+        files = find_checkpoint_files(name)
+        raise TsConfigError(
+            f"{filename} does not exist but {name} was saved as {files.tp_size} tensor-parallel part(s) x "
+            f"{files.ep_size} expert shard(s): resume with that layout, or convert it (ts-reshard, "
+            "ts-consolidate-experts) and start from the result with --restore-file"
+        )
+
+    def _check_ranks_resume_together(self, filename: str) -> None:
+        """Ranks that each read their own file must go on from one update. A run killed
+        between two ranks' writes of ``checkpoint_last`` leaves parts of different updates,
+        and ranks that resume from different updates wait on each other forever: one line
+        naming the newest checkpoint every file holds instead."""
+        loaded: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(
+            loaded, (self.get_num_updates() if os.path.exists(filename) else None, filename))
+        if len({updates for updates, _ in loaded}) == 1:
+            return
+        known = [updates for updates, _ in loaded if updates is not None]
+        shown = ", ".join(f"{os.path.basename(path)} @ {'missing' if updates is None else updates}"
+                          for updates, path in sorted(set(loaded), key=lambda item: item[1])[:4])
+        save_dir = os.path.dirname(filename) or "."
+        base = split_suffix(self.checkpoint_suffix)[0]
+        newest = newest_complete_checkpoint(save_dir, min(known, default=0), base)
+        fix = (f"resume with --restore-file {newest}" if newest else
+               f"move the {checkpoint_name(filename)} files out of {save_dir} to start fresh")
+        raise TsConfigError(
+            f"the ranks' checkpoint files are from different updates ({shown}; a run stopped while "
+            f"saving): {fix}")
+
+    def load_checkpoint(self, filename, *args, **kwargs):
+        self._check_saved_layout(filename)
+        if self.is_expert_sharded or groups.get_tensor_parallel_world_size() > 1:
+            # every rank reads its own shard / part (no broadcast from data-parallel rank 0)
+            with open_dict(self.cfg):
+                self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
+        extra_state = super().load_checkpoint(filename, *args, **kwargs)
+        if self.is_expert_sharded or groups.get_tensor_parallel_world_size() > 1:
+            self._check_ranks_resume_together(filename)
+        saved = (extra_state or {}).get(RECORD_KEY) or {}
+        if saved.get("size") == groups.get_tensor_parallel_world_size() and saved.get("rng"):
+            get_rng_tracker().load_state_dict(saved["rng"])
+        return extra_state
+

@@ -1,0 +1,299 @@
+"""Export a ``ts_lm`` checkpoint to a Hugging Face ``transformers`` folder.
+
+Two formats:
+- ``ts`` (every ``ts_lm``): ``config.json`` (``auto_map`` to the modeling code in the folder),
+  ``model.safetensors`` (or shards plus ``model.safetensors.index.json`` above
+  ``max_shard_size``), ``configuration_ts_lm.py`` / ``modeling_ts_lm.py`` (self-contained,
+  :mod:`torchscale_fairseq.interop.hf_modeling`), loaded with ``trust_remote_code=True``.
+  Parameter names are the fairseq ones with ``decoder.`` -> ``model.`` and
+  ``decoder.output_projection`` -> ``lm_head``.
+- ``gpt2``: a native ``GPT2LMHeadModel`` when the math is GPT-2's: ``--backbone preln``, dense,
+  learned positions, gelu or relu, no embedding LayerNorm, no relative positions or xPos, and
+  the embedding scale 1 (``--no-scale-embedding``) unless the output embedding is untied
+  (then the scale is folded into ``wte``). fairseq's positions start at ``pad + 1``:
+  ``wpe`` is the learned table from that row on.
+
+Token ids are always the fairseq dictionary's ids. With the GPT-2 BPE dictionary of
+``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4), the folder gets a tokenizer
+(:mod:`.hf_tokenizer`) that gives those ids and starts each text with ``</s>``, the token a
+fairseq LM is fed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
+from torchscale_fairseq.models.config import validate_common
+from torchscale_fairseq.models.lm import TsLanguageModel
+
+MODELING_DIR = Path(__file__).parent / "hf_modeling"
+MODELING_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
+FORMATS = ("ts", "gpt2")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def model_args(state: dict[str, Any]) -> argparse.Namespace:
+    """The model's fairseq args (``cfg.model`` or legacy ``args``) with its architecture's defaults."""
+    cfg = state.get("cfg") or {}
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    if model is None:
+        model = state.get("args")
+    if model is None:
+        raise TsConfigError("the checkpoint records no model configuration (cfg.model / args): "
+                            "it was not saved by fairseq-train")
+    fields = dict(vars(model) if isinstance(model, argparse.Namespace) else model)
+    arch = fields.get("arch") or fields.get("_name")
+    if ARCH_MODEL_REGISTRY.get(arch) is not TsLanguageModel:
+        raise TsConfigError(f"architecture {arch!r} is not a ts_lm: ts-export-hf exports ts_lm_* language models "
+                            "(ts_transformer and ts_mlm are not supported yet)")
+    args = argparse.Namespace(**fields)
+    if getattr(args, "adaptive_input", False) or getattr(args, "adaptive_softmax_cutoff", None):
+        raise TsConfigError("the model uses adaptive input or an adaptive softmax, which the exported model does not "
+                            "implement: export a model trained without --adaptive-input / --adaptive-softmax-cutoff")
+    ARCH_CONFIG_REGISTRY[arch](args)
+    if getattr(args, "max_target_positions", None) is None:
+        args.max_target_positions = args.tokens_per_sample
+    validate_common(args)
+    return args
+
+
+def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dictionary | None:
+    """``dict_path``, else ``dict.txt`` of the data directory the checkpoint was trained on, if present."""
+    if dict_path is None:
+        task = (state.get("cfg") or {}).get("task") or {}
+        data = task.get("data") if hasattr(task, "get") else getattr(task, "data", None)
+        first = str(data).split(os.pathsep)[0] if data else None
+        if not first or not os.path.isfile(os.path.join(first, "dict.txt")):
+            return None
+        dict_path = os.path.join(first, "dict.txt")
+    if not os.path.isfile(dict_path):
+        raise TsConfigError(f"dictionary {dict_path} does not exist: pass the dict.txt the model was trained with")
+    return Dictionary.load(dict_path)
+
+
+def _hf_name(name: str) -> str | None:
+    """The exported name of fairseq parameter ``name`` (``None``: not exported)."""
+    if name == "decoder.version" or ".noise_proj." in name or not name.startswith("decoder."):
+        return None
+    rest = name[len("decoder."):]
+    if rest == "output_projection.weight":
+        return "lm_head.weight"
+    if rest.startswith("embed."):
+        rest = rest[len("embed."):]
+    return "model." + rest
+
+
+def ts_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fairseq parameters under their exported names (format ``ts``)."""
+    out = {}
+    for name, tensor in weights.items():
+        new = _hf_name(name)
+        if new is not None:
+            out[new] = tensor
+    return out
+
+
+def gpt2_refusal(cfg: StackConfig, tied: bool) -> str | None:
+    """Why ``cfg`` is not a GPT-2 (``None`` when it is)."""
+    checks = [
+        (cfg.backbone.name != "preln", f"--backbone {cfg.backbone.name} (GPT-2 is preln)"),
+        (cfg.moe is not None, "X-MoE layers"),
+        (cfg.positions != "learned", f"{cfg.positions} positions (GPT-2 learns them: --decoder-learned-pos)"),
+        (cfg.activation not in ("gelu", "relu"), f"--activation-fn {cfg.activation}"),
+        (cfg.layernorm_embedding, "--layernorm-embedding"),
+        (cfg.rel_pos_buckets > 0, "--rel-pos-buckets"),
+        (cfg.xpos, "--xpos"),
+        (tied and cfg.scale_embedding, "a scaled tied embedding (train with --no-scale-embedding or untie it)"),
+    ]
+    reasons = [why for bad, why in checks if bad]
+    return "; ".join(reasons) if reasons else None
+
+
+def gpt2_tensors(weights: dict[str, torch.Tensor], cfg: StackConfig, pad: int) -> dict[str, torch.Tensor]:
+    """GPT-2's parameters (``Conv1D`` weights are ``(in, out)``: transposed ``nn.Linear`` weights)."""
+    scale = math.sqrt(cfg.embed_dim) if cfg.scale_embedding else 1.0
+    out = {
+        "transformer.wte.weight": weights["decoder.embed.embed_tokens.weight"] * scale,
+        "transformer.wpe.weight": weights["decoder.embed.embed_positions.weight"][pad + 1:],
+        "transformer.ln_f.weight": weights["decoder.layer_norm.weight"],
+        "transformer.ln_f.bias": weights["decoder.layer_norm.bias"],
+    }
+    if "decoder.output_projection.weight" in weights:
+        out["lm_head.weight"] = weights["decoder.output_projection.weight"]
+    pairs = [("self_attn_layer_norm", "ln_1"), ("final_layer_norm", "ln_2")]
+    linears = [("self_attn.qkv_proj", "attn.c_attn"), ("self_attn.out_proj", "attn.c_proj"),
+               ("ffn.fc1", "mlp.c_fc"), ("ffn.fc2", "mlp.c_proj")]
+    for i in range(cfg.layers):
+        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for a, b in pairs:
+            out[f"{dst}{b}.weight"] = weights[f"{src}{a}.weight"]
+            out[f"{dst}{b}.bias"] = weights[f"{src}{a}.bias"]
+        for a, b in linears:
+            out[f"{dst}{b}.weight"] = weights[f"{src}{a}.weight"].t()
+            out[f"{dst}{b}.bias"] = weights[f"{src}{a}.bias"]
+    return out
+
+
+def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int]):
+    from torchscale_fairseq.interop.hf_modeling.configuration_ts_lm import TsLMConfig
+
+    moe = cfg.moe
+    config = TsLMConfig(
+        vocab_size=vocab, hidden_size=cfg.embed_dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.attention_heads, backbone=cfg.backbone.name, residual_alpha=cfg.backbone.alpha,
+        activation=cfg.activation, positions=cfg.positions, max_position_embeddings=cfg.max_positions,
+        embed_scale=math.sqrt(cfg.embed_dim) if cfg.scale_embedding else 1.0,
+        layernorm_embedding=cfg.layernorm_embedding, layer_norm_eps=cfg.layernorm_eps,
+        rel_pos_buckets=cfg.rel_pos_buckets, max_rel_pos=cfg.max_rel_pos, xpos=cfg.xpos,
+        dropout=cfg.dropout, attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
+        moe_expert_count=moe.expert_count if moe else 0, moe_freq=moe.freq if moe else 2,
+        moe_top_k=moe.top_k if moe else 2, moe_router=moe.router if moe else "xmoe",
+        moe_router_dim=moe.router_dim if moe else 16,
+        moe_eval_capacity_factor=moe.eval_capacity_factor if moe else 0.0,
+        moe_normalize_gate_prob_before_dropping=moe.normalize_gate_prob_before_dropping if moe else False,
+        tie_word_embeddings=tied, **specials,
+    )
+    config.architectures = ["TsLMForCausalLM"]
+    config.auto_map = {"AutoConfig": "configuration_ts_lm.TsLMConfig",
+                       "AutoModelForCausalLM": "modeling_ts_lm.TsLMForCausalLM"}
+    return config
+
+
+def gpt2_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int]):
+    from transformers import GPT2Config
+
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=cfg.max_positions, n_embd=cfg.embed_dim, n_layer=cfg.layers,
+        n_head=cfg.attention_heads, n_inner=cfg.ffn_dim, activation_function=cfg.activation,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
+        layer_norm_epsilon=cfg.layernorm_eps, tie_word_embeddings=tied, **specials,
+    )
+    config.architectures = ["GPT2LMHeadModel"]
+    return config
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus the index above ``max_shard_bytes``."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous().clone()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``10KB`` or a number of bytes."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise TsConfigError(f"--max-shard-size {text!r} is not a size: write e.g. 5GB, 500MB or 1000000")
+
+
+def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
+    if cfg.moe is None:
+        return
+    if cfg.moe.router == "expert_choice":
+        raise TsConfigError("--moe-router expert_choice needs the whole batch and cannot decode token by token: "
+                            "only token-choice routers (xmoe, linear) can be exported")
+    for name, tensor in weights.items():
+        if name.endswith(".experts.fc1_weight") and tensor.size(0) != cfg.moe.expert_count:
+            raise TsConfigError(
+                f"{name} holds {tensor.size(0)} of {cfg.moe.expert_count} experts: this is one expert shard; "
+                "pass the checkpoint name whose -shardR.pt files hold all the experts"
+            )
+
+
+def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | None = None,
+              max_shard_size: str = "5GB", dtype: str | None = None) -> list[str]:
+    """Write the export of ``checkpoint`` to the new folder ``out_dir``; returns the files written."""
+    from torchscale_fairseq.interop.hf_tokenizer import is_gpt2_dictionary, save_gpt2_tokenizer
+
+    if fmt not in FORMATS:
+        raise TsConfigError(f"--format {fmt!r} is unknown: choose one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise TsConfigError(f"--dtype {dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists():
+        raise TsConfigError(f"{out_dir} already exists: choose a new output folder (nothing was written)")
+    max_bytes = parse_size(max_shard_size)
+    state = load_single_process_state(checkpoint)
+    args = model_args(state)
+    cfg = StackConfig.from_args(args, "decoder", "decoder_only")
+    weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    _check_experts(weights, cfg)
+    vocab = weights["decoder.embed.embed_tokens.weight"].size(0)
+    dictionary = checkpoint_dictionary(state, dict_path)
+    if dictionary is not None and len(dictionary) != vocab:
+        raise TsConfigError(f"the dictionary has {len(dictionary)} entries but the checkpoint's embedding "
+                            f"{vocab}: pass the dict.txt the model was trained with (--dict)")
+    pad = dictionary.pad() if dictionary is not None else 1
+    eos = dictionary.eos() if dictionary is not None else 2
+    specials = {"pad_token_id": pad, "eos_token_id": eos, "bos_token_id": eos}
+    tied = "decoder.output_projection.weight" not in weights
+    if fmt == "gpt2":
+        reason = gpt2_refusal(cfg, tied)
+        if reason is not None:
+            raise TsConfigError(f"--format gpt2 cannot express {reason}: export with --format ts")
+        if pad != 1:
+            raise TsConfigError(f"--format gpt2 needs the padding index 1 (the dictionary has {pad}): use --format ts")
+        tensors, config = gpt2_tensors(weights, cfg, pad), gpt2_config(cfg, vocab, tied, specials)
+    else:
+        tensors, config = ts_tensors(weights), ts_config(cfg, vocab, tied, specials)
+    if dtype is not None:
+        tensors = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+    config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        written = save_safetensors(tensors, staging, max_bytes)
+        config.save_pretrained(str(staging))
+        written.append("config.json")
+        if fmt == "ts":
+            for name in MODELING_FILES:
+                shutil.copyfile(MODELING_DIR / name, staging / name)
+            written.extend(MODELING_FILES)
+        if dictionary is not None and is_gpt2_dictionary(dictionary):
+            written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))
+        if out.exists():
+            raise TsConfigError(f"{out_dir} appeared while exporting: choose a new output folder")
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written

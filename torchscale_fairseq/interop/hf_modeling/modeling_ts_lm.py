@@ -1,0 +1,391 @@
+"""A torchscale-fairseq ``ts_lm`` as a Hugging Face causal LM (``trust_remote_code=True``).
+
+Self-contained PyTorch (no fairseq, no torchscale_fairseq): this file is copied into the
+exported folder. Parameter names follow the fairseq model's (``decoder.`` becomes ``model.``,
+``decoder.output_projection`` becomes ``lm_head``), so the export is a key rename.
+
+Per layer, with ``f`` self-attention or the FFN / MoE block:
+Pre-LN and Magneto ``x + f(LN(x))``; Post-LN ``LN(x + f(x))``; DeepNorm ``LN(alpha x + f(x))``.
+Magneto (Sub-LN) adds a LayerNorm before the attention output projection and before ``fc2``.
+Input: ``embed_scale * E[token] + P[position]`` with fairseq's positions (``pad + 1 + number of
+real tokens before``), optional LayerNorm. Keys and values are cached per layer
+(``past_key_values``, a ``transformers`` ``Cache``) for ``generate()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_ts_lm import TsLMConfig
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``gelu`` (exact) / ``relu``; ``swiglu`` on the fused ``[gate, up]`` halves: ``silu(gate) * up``."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h) if activation == "gelu" else F.relu(h)
+
+
+def absolute_positions(attention_mask: Optional[torch.Tensor], batch: int, past: int, length: int, pad: int,
+                       device: torch.device) -> torch.Tensor:
+    """Position ids of the ``length`` new tokens: ``pad + 1 + (real tokens before)``, ``pad`` on padding."""
+    if attention_mask is None:
+        return (torch.arange(past, past + length, device=device) + pad + 1).expand(batch, length)
+    mask = attention_mask.long()
+    return (torch.cumsum(mask, dim=1) * mask + pad)[:, -length:]
+
+
+def sinusoidal_embedding(positions: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
+    """Vaswani et al.'s sin/cos of ``positions``, sines first, zero at the padding position."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float, device=positions.device) * -(math.log(10000) / (half - 1)))
+    angles = positions.float().unsqueeze(-1) * freq
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+    if dim % 2 == 1:
+        table = F.pad(table, (0, 1))
+    return table.masked_fill(positions.eq(pad).unsqueeze(-1), 0.0)
+
+
+def relative_position_bucket(relative: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal bucket of ``key_pos - query_pos``: exact below ``num_buckets / 2``, then log-spaced."""
+    n = (-relative).clamp(min=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (
+        torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).long()
+    return torch.where(n < max_exact, n, large.clamp(max=num_buckets - 1))
+
+
+def xpos_rotate(x: torch.Tensor, offset: int, scale_base: float, downscale: bool) -> torch.Tensor:
+    """xPos (Sun et al. 2022): rotary angles ``n / 10000^(2i/d)`` on pairs ``(x_2i, x_2i+1)``,
+    scaled by ``zeta_i^(n / scale_base)`` (queries) or its inverse (keys)."""
+    head_dim = x.size(-1)
+    pos = torch.arange(offset, offset + x.size(-2), device=x.device, dtype=torch.float)
+    zeta = (torch.arange(0, head_dim, 2, dtype=torch.float, device=x.device) + 0.4 * head_dim) / (1.4 * head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim // 2, dtype=torch.float, device=x.device) / (head_dim // 2)))
+    scale = zeta[None, :] ** (pos[:, None] / scale_base)
+    if downscale:
+        scale = 1.0 / scale
+    angles = pos[:, None] * inv_freq[None, :]
+    sin = (torch.sin(angles) * scale).repeat_interleave(2, dim=-1).to(x.dtype)
+    cos = (torch.cos(angles) * scale).repeat_interleave(2, dim=-1).to(x.dtype)
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+class TsAttention(nn.Module):
+    """Causal self-attention with a fused ``[q; k; v]`` projection."""
+
+    def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.dropout = config.attention_dropout
+        self.xpos_scale_base = config.xpos_scale_base if config.xpos else None
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.inner_attn_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.subln else None
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], past_key_values: Optional[Cache],
+                past: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(2))
+        if self.xpos_scale_base is not None:
+            q = xpos_rotate(q, past, self.xpos_scale_base, downscale=False)
+            k = xpos_rotate(k, past, self.xpos_scale_base, downscale=True)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        is_causal = mask is None and t > 1 and t == k.size(2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if self.inner_attn_ln is not None:
+            out = self.inner_attn_ln(out)
+        return self.out_proj(out)
+
+
+class TsFeedForward(nn.Module):
+    """``fc2(act(fc1 x))``, Sub-LN on the activation under Magneto."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        parts = 2 if config.activation == "swiglu" else 1
+        self.activation = config.activation
+        self.activation_dropout = config.activation_dropout
+        self.fc1 = nn.Linear(config.hidden_size, parts * config.intermediate_size)
+        self.ffn_layernorm = (nn.LayerNorm(config.intermediate_size, eps=config.layer_norm_eps)
+                              if config.subln else None)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``keep`` (real-token mask) matters only to :class:`TsMoE`, whose signature this shares."""
+        h = F.dropout(activate(self.fc1(x), self.activation), self.activation_dropout, self.training)
+        if self.ffn_layernorm is not None:
+            h = self.ffn_layernorm(h)
+        return self.fc2(h)
+
+
+class TsXMoERouter(nn.Module):
+    """X-MoE scores ``cos(W x, e_k) / tau`` (``tau = exp(log_temperature)``, at least 0.01)."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.moe_router_dim, bias=False)
+        self.expert_embeddings = nn.Parameter(torch.zeros(config.moe_expert_count, config.moe_router_dim))
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = F.normalize(F.linear(x.float(), self.proj.weight.float()), p=2.0, dim=-1, eps=1e-4)
+        experts = F.normalize(self.expert_embeddings.float(), p=2.0, dim=-1, eps=1e-4)
+        return tokens @ experts.t() / self.log_temperature.float().exp().clamp(min=0.01)
+
+
+class TsLinearRouter(nn.Module):
+    """Softmax-gate scores ``W_g x``."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.moe_expert_count, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.gate.weight.float())
+
+
+class TsExperts(nn.Module):
+    """``E`` FFNs stored as stacked weights: ``fc1_weight`` (E, d, parts * f), ``fc2_weight`` (E, f, d)."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        e, d, f = config.moe_expert_count, config.hidden_size, config.intermediate_size
+        parts = 2 if config.activation == "swiglu" else 1
+        self.activation = config.activation
+        self.eps = config.layer_norm_eps
+        self.fc1_weight = nn.Parameter(torch.zeros(e, d, parts * f))
+        self.fc1_bias = nn.Parameter(torch.zeros(e, parts * f))
+        self.fc2_weight = nn.Parameter(torch.zeros(e, f, d))
+        self.fc2_bias = nn.Parameter(torch.zeros(e, d))
+        self.ln_weight = nn.Parameter(torch.ones(e, f)) if config.subln else None
+        self.ln_bias = nn.Parameter(torch.zeros(e, f)) if config.subln else None
+
+    def forward(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        h = activate(torch.addmm(self.fc1_bias[expert], rows, self.fc1_weight[expert]), self.activation)
+        if self.ln_weight is not None:
+            h = F.layer_norm(h, h.shape[-1:], self.ln_weight[expert], self.ln_bias[expert], self.eps)
+        return torch.addmm(self.fc2_bias[expert], h, self.fc2_weight[expert])
+
+
+class TsMoE(nn.Module):
+    """Top-1 (Switch, gate ``p_1``) or top-2 (GShard, gates normalised over the kept experts)
+    routing of the real tokens, as fairseq evaluates it: both experts kept, capacity
+    ``min(T, ceil(f T k / E))`` slots per expert in priority order (every first choice before
+    any second choice), no dropping when ``f <= 0``. ``y_t = sum_a gate_a * expert_a(x_t)``."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.moe_expert_count, config.moe_top_k
+        self.capacity_factor = config.moe_eval_capacity_factor
+        self.normalize_before_dropping = config.moe_normalize_gate_prob_before_dropping
+        self.router = TsXMoERouter(config) if config.moe_router == "xmoe" else TsLinearRouter(config)
+        self.experts = TsExperts(config)
+
+    def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        flat = x.reshape(-1, x.size(-1))
+        index = torch.arange(flat.size(0), device=x.device) if keep is None else keep.reshape(-1).nonzero().squeeze(1)
+        tokens = flat.index_select(0, index)
+        n = tokens.size(0)
+        probs = torch.softmax(self.router(tokens), dim=-1)
+        capacity = n if self.capacity_factor <= 0 else min(n, math.ceil(self.capacity_factor * n * self.top_k
+                                                                        / self.num_experts))
+        gates, experts = probs.topk(self.top_k, dim=-1)
+        if self.top_k == 2 and self.normalize_before_dropping:
+            gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        token = torch.arange(n, device=x.device).repeat(self.top_k)
+        expert, gate = experts.t().reshape(-1), gates.t().reshape(-1)
+        slot = torch.zeros_like(expert)
+        for e in range(self.num_experts):
+            mine = expert.eq(e)
+            slot[mine] = torch.arange(int(mine.sum()), device=x.device)
+        kept = slot < capacity
+        token, expert, gate = token[kept], expert[kept], gate[kept]
+        if self.top_k == 2 and not self.normalize_before_dropping:
+            total = torch.zeros(n, dtype=gate.dtype, device=x.device).index_add(0, token, gate)
+            gate = gate / total.clamp(min=torch.finfo(gate.dtype).eps)[token]
+        out = torch.zeros_like(tokens)
+        for e in expert.unique().tolist():
+            mine = expert.eq(e)
+            rows = self.experts(tokens.index_select(0, token[mine]), e)
+            out.index_add_(0, token[mine], rows * gate[mine].to(rows.dtype).unsqueeze(1))
+        return flat.new_zeros(flat.shape).index_copy(0, index, out).view_as(x)
+
+
+class TsLayer(nn.Module):
+    def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.normalize_before = config.normalize_before
+        self.alpha = config.residual_alpha
+        self.dropout = config.dropout
+        self.self_attn = TsAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = TsMoE(config) if config.is_moe_layer(layer_idx) else TsFeedForward(config)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def sublayer(self, x: torch.Tensor, norm: nn.Module, fn) -> torch.Tensor:
+        if self.normalize_before:
+            return x + F.dropout(fn(norm(x)), self.dropout, self.training)
+        return norm(x * self.alpha + F.dropout(fn(x), self.dropout, self.training))
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], keep: Optional[torch.Tensor],
+                past_key_values: Optional[Cache], past: int) -> torch.Tensor:
+        x = self.sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, mask, past_key_values, past))
+        return self.sublayer(x, self.final_layer_norm, lambda h: self.ffn(h, keep))
+
+
+class TsLMPreTrainedModel(PreTrainedModel):
+    config_class = TsLMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TsLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh weights only for parameters a checkpoint lacks (normal(0, d^-1/2) / zero / one)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.hidden_size**-0.5)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class TsLMModel(TsLMPreTrainedModel):
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_positions = (
+            nn.Embedding(config.max_position_embeddings + config.pad_token_id + 1, config.hidden_size,
+                         config.pad_token_id)
+            if config.positions == "learned" else None
+        )
+        self.layernorm_embedding = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+                                    if config.layernorm_embedding else None)
+        self.layers = nn.ModuleList([TsLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.normalize_before else None
+        self.rel_pos = None
+        if config.rel_pos_buckets > 0:
+            self.rel_pos = nn.Embedding(config.rel_pos_buckets, config.num_attention_heads)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = value
+
+    def attention_mask_4d(self, attention_mask: Optional[torch.Tensor], t: int, s: int, past: int,
+                          dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """Boolean (True = attend) or additive mask ``(B|1, 1|h, t, s)``; ``None`` when SDPA's causal
+        path (or, for one query, no mask) suffices.
+        A query always sees itself, so a left-padded row is never fully masked (as fairseq)."""
+        bias = None
+        if self.rel_pos is not None:
+            q_pos = torch.arange(past, past + t, device=device)[:, None]
+            k_pos = torch.arange(s, device=device)[None, :]
+            buckets = relative_position_bucket(k_pos - q_pos, self.config.rel_pos_buckets, self.config.max_rel_pos)
+            bias = self.rel_pos(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if not padded and bias is None and (past == 0 or t == 1):
+            return None
+        allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
+        if padded:
+            itself = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t).triu(s - t)
+            allowed = (allowed & attention_mask[:, None, None, :].bool()) | itself[None, None]
+        if bias is None:
+            return allowed
+        return bias.masked_fill(~allowed, float("-inf"))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+        use_cache: Optional[bool] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Optional[Cache]]:
+        """Hidden states after the last layer (and final LayerNorm) and the cache."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        b, t = input_ids.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if attention_mask is not None and attention_mask.size(1) != past + t:
+            raise ValueError(f"attention_mask covers {attention_mask.size(1)} tokens, expected {past + t}")
+        x = self.embed_tokens(input_ids) * self.config.embed_scale
+        if self.config.positions != "none":
+            positions = absolute_positions(attention_mask, b, past, t, self.padding_idx, input_ids.device)
+            if self.embed_positions is not None:
+                x = x + self.embed_positions(positions)
+            else:
+                x = x + sinusoidal_embedding(positions, self.config.hidden_size, self.padding_idx).to(x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = F.dropout(x, self.config.dropout, self.training)
+        mask = self.attention_mask_4d(attention_mask, t, past + t, past, x.dtype, x.device)
+        keep = attention_mask[:, -t:].bool() if attention_mask is not None and past == 0 else None
+        for layer in self.layers:
+            x = layer(x, mask, keep, past_key_values if use_cache else None, past)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return x, past_key_values if use_cache else None
+
+
+class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__(config)
+        self.model = TsLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits of the next token at every position (the last ``logits_to_keep`` if > 0);
+        with ``labels``, the mean cross-entropy of predicting ``labels[:, 1:]`` (-100 ignored)."""
+        hidden, cache = self.model(input_ids, attention_mask, past_key_values, use_cache)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

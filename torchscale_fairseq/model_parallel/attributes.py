@@ -1,0 +1,76 @@
+"""Every attribute a parameter carries about how it is distributed, in one registry
+(Megatron-LM's ``_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS``), with the helpers that set, read
+and copy them.
+
+- tensor parallelism: ``tensor_parallel_dim`` (split dimension, ``None`` = replicated),
+  ``tensor_parallel_stride`` (independent blocks along it, e.g. 3 for fused Q/K/V),
+  ``tensor_parallel_vocab`` (real vocabulary size of a padded vocabulary dimension);
+- expert parallelism: ``expert`` (ranks hold different experts under the same name),
+  ``expert_group`` (the ranks holding the *other* experts, for the gradient norm) and
+  ``expert_replica_group`` (the ranks holding a copy of the *same* experts, for gradient
+  averaging).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TP_DIM = "tensor_parallel_dim"
+TP_STRIDE = "tensor_parallel_stride"
+TP_VOCAB = "tensor_parallel_vocab"
+EXPERT = "expert"
+EXPERT_GROUP = "expert_group"
+EXPERT_REPLICA_GROUP = "expert_replica_group"
+
+PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
+    TP_DIM: None,
+    TP_STRIDE: 1,
+    TP_VOCAB: None,
+    EXPERT: False,
+    EXPERT_GROUP: None,
+    EXPERT_REPLICA_GROUP: None,
+}
+
+
+def copy_parallel_attributes(destination: Any, source: torch.Tensor) -> None:
+    """Give ``destination`` (e.g. an fp32 master copy) every attribute ``source`` carries."""
+    for name in PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def mark_sharded(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+    setattr(param, TP_DIM, dim)
+    setattr(param, TP_STRIDE, stride)
+    return param
+
+
+def mark_vocab_padded(param: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mark a parameter whose split dimension is the padded vocabulary of ``vocab_size``."""
+    setattr(param, TP_VOCAB, vocab_size)
+    return param
+
+
+def sharded_dim(param: Any) -> int | None:
+    """The split dimension of a sharded parameter, ``None`` for a replicated one."""
+    return getattr(param, TP_DIM, None)
+
+
+def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
+    setattr(param, EXPERT, True)
+    setattr(param, EXPERT_GROUP, expert_group)
+    setattr(param, EXPERT_REPLICA_GROUP, replica_group)
+
+
+def is_expert(param: Any) -> bool:
+    return bool(getattr(param, EXPERT, False))
+
+
+def expert_group(param: Any) -> object | None:
+    return getattr(param, EXPERT_GROUP, None)
+
+
+def expert_replica_group(param: Any) -> object | None:
+    return getattr(param, EXPERT_REPLICA_GROUP, None)
