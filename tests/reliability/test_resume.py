@@ -4,7 +4,9 @@ restart are exactly those of an uninterrupted run (fp32 on CPU, one thread: bitw
 import json
 import signal
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, json_logs, run, tool
 
+STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
 MAX_UPDATE = 12
 COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", "4", "--log-interval", "1",
           "--disable-validation", "--dropout", "0.1"]
@@ -32,8 +35,10 @@ def _command(data, save, recipe):
 
 
 def _kill_after(cmd, update: int) -> None:
-    """Start ``cmd`` and SIGKILL it once it has logged update ``update``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
+    """Start ``cmd`` (a ``fairseq-train`` command) stalling after update ``update``; SIGKILL
+    it once it has logged that update."""
+    proc = subprocess.Popen([sys.executable, str(STALL_CLI), str(update), *cmd[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env())
     for line in proc.stdout:
         if "| train_inner |" in line and json.loads(line[line.find("{"):])["num_updates"] == str(update):
             proc.send_signal(signal.SIGKILL)

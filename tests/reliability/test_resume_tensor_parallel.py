@@ -1,16 +1,26 @@
 """SIGKILL both ranks of a tensor-parallel (N=2) run mid-epoch, restart: the updates after
 the restart equal those of an uninterrupted N=2 run, the checkpoint parts bitwise. Dropout
-and attention dropout are on, so the tensor-parallel RNG tracker must come back too."""
+and attention dropout are on, so the tensor-parallel RNG tracker must come back too.
+
+A kill between the two ranks' writes of ``checkpoint_last`` leaves parts of different
+updates: the restart is refused in one line naming the newest complete checkpoint (ranks
+resuming from different updates would wait on each other forever), and resuming from it
+is exact too."""
 
 import json
+import shutil
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import fairseq_ranks, run_fairseq
+from tests.model_parallel.mp_helpers import BIN, USER_DIR, dist_flags, free_port, launch, run_fairseq
+
+STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
 
 ARGS = ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--max-update", "12", "--save-interval-updates", "4",
         "--log-interval", "1", "--disable-validation", "--dropout", "0.1", "--attention-dropout", "0.1",
@@ -28,29 +38,66 @@ def _losses(log) -> dict:
 
 
 def _kill_after(args, out, update: int) -> None:
-    logs = fairseq_ranks("fairseq-train", args, 2, out)
-    procs = fairseq_ranks.procs
+    """Run ``fairseq-train`` on 2 ranks that stall once ``update`` updates are logged; SIGKILL both."""
+    port = free_port()
+    procs = [launch([sys.executable, str(STALL_CLI), str(update), *args, "--user-dir", str(USER_DIR), "--cpu",
+                     *dist_flags(2, rank, port)], out / f"fairseq-train.{rank}.log") for rank in range(2)]
+    log = out / "fairseq-train.0.log"
     deadline = time.monotonic() + 600
-    while update not in _losses(logs[0]):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+    while update not in _losses(log):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log.read_text()[-3000:]
         time.sleep(0.2)
     for p in procs:
         p.send_signal(signal.SIGKILL)
         p.wait()
 
 
-def test_tensor_parallel_sigkill_then_restart_is_exact(lm_data, tmp_path):
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ARGS], 2, tmp_path / "ref_logs")
-    _kill_after([str(lm_data), "--save-dir", str(run_dir), *ARGS], tmp_path / "killed_logs", update=6)
-    resumed = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(run_dir), *ARGS], 2,
-                          tmp_path / "resumed_logs")
-    text = resumed[0].read_text()
-    assert "Loaded checkpoint" in text and "@ 4 updates" in text
-    want, got = _losses(ref[0]), _losses(resumed[0])
-    assert sorted(got) == list(range(5, 13))
+def _assert_resumed_exactly(ref_dir, run_dir, ref_log, resumed_log, from_update: int) -> None:
+    text = resumed_log.read_text()
+    assert "Loaded checkpoint" in text and f"@ {from_update} updates" in text
+    want, got = _losses(ref_log), _losses(resumed_log)
+    assert sorted(got) == list(range(from_update + 1, 13))
     assert all(got[u] == want[u] for u in got), (want, got)
     for part in (0, 1):
         a = torch.load(ref_dir / f"checkpoint_last-model_part-{part}.pt", weights_only=True)["model"]
         b = torch.load(run_dir / f"checkpoint_last-model_part-{part}.pt", weights_only=True)["model"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensor_parallel_sigkill_then_restart_is_exact(lm_data, tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ARGS], 2, tmp_path / "ref_logs")
+    _kill_after([str(lm_data), "--save-dir", str(run_dir), *ARGS], tmp_path / "killed_logs", update=6)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        f"checkpoint_{n}-model_part-{k}.pt" for n in ("1_4", "last") for k in (0, 1)]
+    resumed = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(run_dir), *ARGS], 2,
+                          tmp_path / "resumed_logs")
+    _assert_resumed_exactly(ref_dir, run_dir, ref[0], resumed[0], from_update=4)
+
+    # killed while saving update 8: part 0 of checkpoint_last and of checkpoint_1_8 written, part 1 not
+    torn_dir = tmp_path / "torn"
+    torn_dir.mkdir()
+    for name in ("checkpoint_1_4-model_part-0.pt", "checkpoint_1_4-model_part-1.pt", "checkpoint_1_8-model_part-0.pt"):
+        shutil.copy(ref_dir / name, torn_dir / name)
+    shutil.copy(ref_dir / "checkpoint_1_8-model_part-0.pt", torn_dir / "checkpoint_last-model_part-0.pt")
+    shutil.copy(ref_dir / "checkpoint_1_4-model_part-1.pt", torn_dir / "checkpoint_last-model_part-1.pt")
+    args = [str(lm_data), "--save-dir", str(torn_dir), *ARGS]
+    logs = fairseq_ranks_failing(args, tmp_path / "torn_logs")
+    restore = torn_dir / "checkpoint_1_4.pt"
+    for log in logs:
+        errors = [ln for ln in log.read_text().splitlines() if "different updates" in ln]
+        assert errors and f"--restore-file {restore}" in errors[-1], log.read_text()[-2000:]
+        assert "@ 8" in errors[-1] and "@ 4" in errors[-1]
+    resumed = run_fairseq("fairseq-train", [*args, "--restore-file", str(restore)], 2, tmp_path / "restored_logs")
+    _assert_resumed_exactly(ref_dir, torn_dir, ref[0], resumed[0], from_update=4)
+
+
+def fairseq_ranks_failing(args, out) -> list[Path]:
+    """Run ``fairseq-train`` on 2 ranks that must both exit with an error (within the timeout)."""
+    port = free_port()
+    logs = [out / f"fairseq-train.{rank}.log" for rank in range(2)]
+    procs = [launch([str(BIN / "fairseq-train"), *args, "--user-dir", str(USER_DIR), "--cpu",
+                     *dist_flags(2, rank, port)], logs[rank]) for rank in range(2)]
+    for p, log in zip(procs, logs):
+        assert p.wait(timeout=300) != 0, log.read_text()[-2000:]
+    return logs

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from tests.cli_utils import json_logs, run, tool
 from tests.tasks.conftest import USER_DIR, build_task
 from tests.tasks.stream_data import make_docs, write_shard
 from torchscale_fairseq.data import gpt2_bpe
+
+STALL_CLI = Path(__file__).resolve().parents[1] / "reliability" / "stall_cli.py"
 
 TRAIN = ["--user-dir", USER_DIR, "--task", "streaming_lm", "--arch", "ts_lm_tiny", "--tokens-per-sample", "32",
          "--optimizer", "adam", "--lr", "1e-3", "--batch-size", "8", "--batches-per-epoch", "4", "--num-workers", "2",
@@ -77,7 +80,8 @@ def test_sigkill_resume_gives_the_same_samples(prepared: Path, trained: tuple[Pa
     save = prepared / "ck_killed"
     log = prepared / "killed.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [tool("fairseq-train"), str(prepared / "stream"), *TRAIN, "--max-update", "50", "--save-dir", str(save)]
+    cmd = [sys.executable, str(STALL_CLI), "3", str(prepared / "stream"), *TRAIN, "--max-update", "50",
+           "--save-dir", str(save)]  # stalls after the checkpoint of update 3
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 300
