@@ -1,5 +1,5 @@
 """Layer level, N = 2 on gloo: every parallel layer equals its dense PyTorch counterpart
-built from the same full weights (forward and backward, 1e-5), the vocabulary-parallel
+built from the same full weights (forward and backward, 1e-5 of the reference's scale), the vocabulary-parallel
 cross-entropy equals fairseq's label-smoothed loss on the full logits, and a layer makes
 exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3)."""
 

@@ -19,10 +19,10 @@ from torch import nn
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.mappings import (
-    all_reduce_sum,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    sum_over_group,
 )
 from torchscale_fairseq.model_parallel.partition import padded_vocab_size, shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
@@ -166,11 +166,40 @@ def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp_group: TensorParal
     return F.linear(copy_to_tensor_parallel_region(x, tp_group), weight)
 
 
+class _ShardedLayerNorm(torch.autograd.Function):
+    """LayerNorm of a tensor whose features are split over ``group``: moments over all
+    ``full_dim`` features (two all-reduces of ``b x s``), ``y = x_hat w + b`` with
+    ``x_hat = (x - mean) * rstd``. Saves ``x_hat`` and ``rstd``, as ``F.layer_norm`` saves
+    its input and statistics. Backward, with ``g = dy w`` and means over ``full_dim``
+    (two all-reduces): ``dx = rstd (g - mean(g) - x_hat mean(g x_hat))``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, full_dim: int, eps: float, group):
+        mean = sum_over_group(x.sum(-1, keepdim=True), group) / full_dim
+        centered = x - mean
+        var = sum_over_group(centered.pow(2).sum(-1, keepdim=True), group) / full_dim
+        rstd = torch.rsqrt(var + eps)
+        x_hat = centered.mul_(rstd)
+        ctx.save_for_backward(x_hat, rstd, weight)
+        ctx.full_dim, ctx.group = full_dim, group
+        return x_hat * weight + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_hat, rstd, weight = ctx.saved_tensors
+        g = dy * weight
+        mean_g = sum_over_group(g.sum(-1, keepdim=True), ctx.group) / ctx.full_dim
+        mean_gx = sum_over_group((g * x_hat).sum(-1, keepdim=True), ctx.group) / ctx.full_dim
+        dx = (g - mean_g - x_hat * mean_gx) * rstd
+        rows = tuple(range(dy.dim() - 1))
+        return dx, (dy * x_hat).sum(rows), dy.sum(rows), None, None, None
+
+
 class ParallelLayerNorm(nn.Module):
     """LayerNorm over a feature dimension that may be sharded across tensor-parallel ranks.
 
-    Statistics cover the full hidden size: per-token sums are all-reduced (two O(b x s)
-    collectives), so the result equals ``nn.LayerNorm(full_dim)`` on the unsharded tensor.
+    Statistics cover the full hidden size (:class:`_ShardedLayerNorm`), so the result
+    equals ``nn.LayerNorm(full_dim)`` on the unsharded tensor.
     """
 
     def __init__(self, full_dim: int, eps: float = 1e-5, tp_group: TensorParallelGroup = None) -> None:
@@ -183,7 +212,4 @@ class ParallelLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
             return F.layer_norm(x, (self.full_dim,), self.weight, self.bias, self.eps)
-        mean = all_reduce_sum(x.sum(-1, keepdim=True), self.tp_group) / self.full_dim
-        centered = x - mean
-        var = all_reduce_sum(centered.pow(2).sum(-1, keepdim=True), self.tp_group) / self.full_dim
-        return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        return _ShardedLayerNorm.apply(x, self.weight, self.bias, self.full_dim, self.eps, self.tp_group)

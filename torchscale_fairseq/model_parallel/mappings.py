@@ -4,9 +4,9 @@ identity).
 
 ``f`` = :func:`copy_to_tensor_parallel_region` (identity forward, all-reduce backward)
 and ``g`` = :func:`reduce_from_tensor_parallel_region` (all-reduce forward, identity
-backward); a gather along the last dimension (split backward); and a sum all-reduce
-whose backward is also an all-reduce (for statistics every rank consumes, e.g. sharded
-LayerNorm moments).
+backward); a gather along the last dimension (split backward); and
+:func:`sum_over_group`, the plain all-reduce that autograd functions with their own
+backward use (e.g. the sharded LayerNorm's moments).
 """
 
 from __future__ import annotations
@@ -55,17 +55,6 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
-
-
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -91,9 +80,10 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup
     return _tp(_ReduceFromTensorParallelRegion, x, group)
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over ``group`` that every rank consumes: all-reduce both ways."""
-    return _tp(_AllReduceSum, x, group)
+def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` summed over ``group`` into a new tensor, outside autograd (``x`` itself when the
+    group has one rank)."""
+    return x if group_size(group) == 1 else _all_reduce(x.clone(), group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""Activation memory per transformer layer and rank, measured next to Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4).
+
+Measured: the bytes of every tensor one ``ts_lm_large`` layer (h = 1024, a = 16 heads,
+FFN 4h) saves for backward in a training forward at sequence ``s`` and batch ``b``,
+counted by a ``saved_tensors_hooks`` pack hook once per storage, parameters excluded;
+each tensor-parallel rank runs its own layer over gloo (``--tp`` ranks on this machine).
+
+The paper's count, 16-bit activations and 1-byte dropout masks, per layer:
+``sbh (34 + 5 a s / h)`` without tensor parallelism, ``sbh (10 + 24/t + 5 a s / (h t))``
+with it. Adapted to this layer (same bookkeeping, term by term):
+
+- outside the tensor-parallel region, replicated on every rank: the two LayerNorm
+  inputs, the Q/K/V projection input and the FFN input (``4 B``) and the two residual
+  dropout masks (``2 M``);
+- inside it, divided by ``t``: the attention core's saved Q/K/V, ``q_core`` bytes per
+  ``sbh`` (PyTorch's math SDPA, the CPU kernel with dropout, keeps the scaled query and
+  the transposed key next to the fused Q/K/V storage: ``5 x 4`` in fp32; in bf16 it
+  computes in fp32 and keeps fp32 copies of the three: ``3 x 4``), the output
+  projection input (``B``), the GELU input and FC2 input (``8 B``), and Magneto's two
+  Sub-LN inputs (``B + 4 B``);
+- the attention core's softmax output, dropout mask and dropout output, ``3 A`` bytes per
+  ``a s^2 b`` (``A`` = 4: fp32 in both dtypes on the CPU), divided by ``t``.
+
+``B`` is the activation width (4 fp32, 2 bf16), ``M`` the residual dropout mask width
+(this layer keeps the mask in the activation dtype: ``M = B``). With
+``--checkpoint-activations full`` a layer saves only its input (``B``).
+
+    .venv/bin/python benchmarks/memory.py [--tp 1 2 4] [--seq 2048] [--dtype float32 bfloat16]
+
+Prints a markdown table (for RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+HIDDEN, HEADS, FFN = 1024, 16, 4096  # ts_lm_large (models/lm.py)
+WIDTH = {"float32": 4, "bfloat16": 2}
+CORE_QKV = {"float32": 5 * 4, "bfloat16": 3 * 4}  # math SDPA's saved Q/K/V bytes per sbh (module docstring)
+CORE_SCORES = 3 * 4  # softmax out, dropout mask, dropout out (fp32) per a s^2 b
+
+
+def formula(s: int, b: int, t: int, dtype: str, magneto: bool, recompute: str) -> float:
+    """Bytes per layer and rank of the module docstring's adapted count."""
+    width = WIDTH[dtype]
+    sbh = s * b * HIDDEN
+    if recompute == "full":
+        return sbh * width
+    replicated = sbh * (4 * width + 2 * width)
+    sharded = sbh * (CORE_QKV[dtype] + width + 8 * width + (5 * width if magneto else 0))
+    scores = HEADS * s * s * b * CORE_SCORES
+    return replicated + (sharded + scores) / t
+
+
+def paper(s: int, b: int, t: int) -> float:
+    """Korthikanti et al. 2022, eq. 2 (t = 1) and the tensor-parallel row of table 2."""
+    sbh = s * b * HIDDEN
+    return sbh * (10 + 24 / t + 5 * HEADS * s / (HIDDEN * t)) if t > 1 else sbh * (34 + 5 * HEADS * s / HIDDEN)
+
+
+def saved_bytes(layer, x) -> int:
+    """Bytes of the tensors a training forward of ``layer`` saves for backward, once per
+    storage, parameters excluded."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out, _ = layer(x, causal=True)
+    del out
+    return sum(saved.values())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchscale_fairseq.architecture.config import StackConfig
+    from torchscale_fairseq.architecture.layer import TransformerLayer
+    from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, initialize_model_parallel
+    from torchscale_fairseq.modules.backbone import build_backbone
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
+    initialize_model_parallel(args.world)
+    rows = []
+    for backbone in ("magneto", "preln"):
+        for recompute in ("none", "full"):
+            cfg = StackConfig(embed_dim=HIDDEN, ffn_dim=FFN, layers=12, attention_heads=HEADS,
+                              backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=args.seq,
+                              dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute != "none",
+                              tp_group=get_tensor_parallel_group())
+            torch.manual_seed(0)
+            layer = TransformerLayer(cfg).to(getattr(torch, args.dtype)).train()
+            x = torch.randn(args.batch, args.seq, HIDDEN, dtype=layer.final_layer_norm.weight.dtype,
+                            requires_grad=True)
+            saved = saved_bytes(layer, x)
+            rows.append({"backbone": backbone, "recompute": recompute, "bytes": saved})
+            del layer
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(t: int, seq: int, batch: int, dtype: str) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        base = [sys.executable, __file__, "--seq", str(seq), "--batch", str(batch), "--dtype", dtype,
+                "--world", str(t), "--port", str(port), "--out", str(out)]
+        procs = [subprocess.Popen([*base, "--rank", str(r)]) for r in range(t)]
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit(f"a rank of the t={t} run failed")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(WIDTH))
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.rank is not None:
+        args.dtype = args.dtype[0]
+        worker(args)
+        return
+    s, b = args.seq, args.batch
+    sbh = s * b * HIDDEN
+    print(f"ts_lm_large layer (h={HIDDEN}, a={HEADS}, FFN {FFN}), s={s}, b={b}, dropout 0.1, CPU; "
+          "bytes per layer and rank; `/sbh` = bytes / (s b h)\n")
+    print("| backbone | dtype | t | recompute | measured /sbh | adapted formula /sbh | measured / formula "
+          "| vs t=1 | paper (16-bit) /sbh |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtype:
+        results = {t: measure(t, s, b, dtype) for t in args.tp}
+        for backbone in ("magneto", "preln"):
+            for recompute in ("none", "full"):
+                base = next(r["bytes"] for r in results[min(args.tp)]
+                            if r["backbone"] == backbone and r["recompute"] == "none")
+                for t in args.tp:
+                    got = next(r["bytes"] for r in results[t] if r["backbone"] == backbone and r["recompute"] == recompute)
+                    want = formula(s, b, t, dtype, backbone == "magneto", recompute)
+                    print(f"| {backbone} | {dtype} | {t} | {recompute} | {got / sbh:.1f} | {want / sbh:.1f} | "
+                          f"{got / want:.3f} | {got / base:.3f} | {paper(s, b, t) / sbh:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
