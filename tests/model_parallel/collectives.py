@@ -1,6 +1,8 @@
-"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce`` and
-``all_gather`` while active and records ``(collective, direction, numel)`` for each call,
-``direction`` being ``backward`` inside an autograd backward pass."""
+"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
+``all_gather`` and the sequence-parallel ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` while active and records ``(collective, direction, numel)`` for
+each call (``numel`` of the input), ``direction`` being ``backward`` inside an autograd
+backward pass."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-RECORDED = ("all_reduce", "all_gather")
+RECORDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from torchscale_fairseq.model_parallel.cross_entropy import (
     label_smoothed_loss,
     vocab_parallel_cross_entropy,
 )
+from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.layers import (
     ColumnParallelLinear,
     ParallelLayerNorm,
@@ -38,6 +39,7 @@ from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.modules.backbone import build_backbone
 
 B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
+T_SP = 6  # a sequence divisible by the tensor-parallel sizes tested
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,20 +195,42 @@ def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
     }, list(log)
 
 
-def layer_config(backbone: str, tp_group=None) -> StackConfig:
+def layer_config(backbone: str, tp_group=None, sequence_parallel: bool = False) -> StackConfig:
     return StackConfig(
         embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
         backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0, tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
     )
 
 
-def dense_transformer_layer(backbone: str) -> dict:
+def dense_transformer_layer(backbone: str, t: int = T) -> dict:
     """Output and gradients of the unsharded layer (call before the groups exist)."""
     dense = seeded(20, lambda: TransformerLayer(layer_config(backbone)))
-    x = randn(21, B, T, D).requires_grad_()
+    x = randn(21, B, t, D).requires_grad_()
     y, _ = dense(x, causal=True)
-    y.backward(randn(22, B, T, D))
+    y.backward(randn(22, B, t, D))
     return {"out": y.detach(), "grad_x": x.grad, "grads": {n: p.grad for n, p in dense.named_parameters()}}
+
+
+def check_sequence_parallel_layer(backbone: str, dense: dict) -> tuple[dict[str, float], list]:
+    """The layer on this rank's slice of a T_SP-long sequence (sequence parallelism):
+    output and input gradient equal the dense layer's on those positions, and the
+    parameter gradients once the sequence-parallel ones are summed over the group."""
+    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, tp(), sequence_parallel=True)))
+    x = sequence_slice(randn(21, B, T_SP, D)).requires_grad_()
+    with record_collectives() as log:
+        y, _ = par(x, causal=True)
+        y.backward(sequence_slice(randn(22, B, T_SP, D)))
+    sum_sequence_parallel_grads(par, tp())
+    return {
+        "out": err(y, sequence_slice(dense["out"])),
+        "grad_x": err(x.grad, sequence_slice(dense["grad_x"])),
+        "grad_params": param_grad_errors(par, dense["grads"]),
+    }, list(log)
+
+
+def sequence_slice(full: torch.Tensor) -> torch.Tensor:
+    return full.chunk(groups.get_tensor_parallel_world_size(), dim=1)[groups.get_tensor_parallel_rank()].clone()
 
 
 def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float], list]:
@@ -233,6 +257,8 @@ def main() -> None:
         "embedding": seeded(13, lambda: VocabParallelEmbedding(V, D, padding_idx=PAD)),
         "magneto": dense_transformer_layer("magneto"),
         "preln": dense_transformer_layer("preln"),
+        "sp_magneto": dense_transformer_layer("magneto", T_SP),
+        "sp_preln": dense_transformer_layer("preln", T_SP),
     }
     groups.initialize_model_parallel(world)
     results: dict = {"errors": {}, "collectives": {}, "shape": [B, T, D]}
@@ -244,6 +270,9 @@ def main() -> None:
     for backbone in ("magneto", "preln"):
         errors, log = check_transformer_layer(backbone, dense[backbone])
         results["errors"][backbone], results["collectives"][backbone] = errors, log
+        errors, log = check_sequence_parallel_layer(backbone, dense[f"sp_{backbone}"])
+        results["errors"][f"sp_{backbone}"], results["collectives"][f"sp_{backbone}"] = errors, log
+    results["sp_shape"] = [B, T_SP, D]
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -27,7 +27,8 @@ def results(tmp_path_factory) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("layer", ["column", "row", "embedding", "layernorm", "magneto", "preln"])
+@pytest.mark.parametrize("layer", ["column", "row", "embedding", "layernorm", "magneto", "preln", "sp_magneto",
+                                   "sp_preln"])
 def test_parallel_layer_equals_dense(results, layer):
     errors = results["errors"][layer]
     assert errors, layer
@@ -62,3 +63,17 @@ def test_two_large_all_reduces_each_way_per_layer(results, backbone, stats):
     assert len(_count(log, "forward", b * t)) == stats
     assert len(_count(log, "backward", b * t)) == stats
     assert len(log) == 4 + 2 * stats
+
+
+@pytest.mark.parametrize("backbone,stats", [("magneto", 4), ("preln", 0)])
+def test_sequence_parallel_layer_gathers_and_reduce_scatters(results, backbone, stats):
+    """Korthikanti et al. 2022, Fig. 5: per layer, forward an all-gather before each
+    column-parallel block and a reduce-scatter after each row-parallel one, the mirror
+    backward, and no all-reduce of activations (only Magneto's per-token LN statistics)."""
+    b, t, d = results["sp_shape"]
+    log = [tuple(entry) for entry in results["collectives"][f"sp_{backbone}"]]
+    for direction in ("forward", "backward"):
+        assert log.count(("all_gather_into_tensor", direction, b * t * d // 2)) == 2, log
+        assert log.count(("reduce_scatter_tensor", direction, b * t * d)) == 2, log
+        assert log.count(("all_reduce", direction, b * t)) == stats, log
+    assert len(log) == 8 + 2 * stats, log

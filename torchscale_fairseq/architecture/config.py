@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, group_size
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
 from torchscale_fairseq.modules.feedforward import check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
@@ -40,6 +41,7 @@ class StackConfig:
     share_input_output_embed: bool = False
     moe: Any = None
     tp_group: Any = None
+    sequence_parallel: bool = False
 
     @classmethod
     def from_args(cls, args: Any, side: str, part: str) -> "StackConfig":
@@ -79,4 +81,21 @@ class StackConfig:
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
             moe=moe_config_from_args(args),
             tp_group=get_tensor_parallel_group(),
+            sequence_parallel=sequence_parallel_from_args(args),
         )
+
+
+def sequence_parallel_from_args(args: Any) -> bool:
+    """``--sequence-parallel``, refused in one line where it cannot work."""
+    if not getattr(args, "sequence_parallel", False):
+        return False
+    if getattr(args, "moe_expert_count", 0) > 0:
+        raise TsConfigError(
+            "--sequence-parallel does not support MoE layers yet (--moe-expert-count > 0): drop one of the two"
+        )
+    if group_size(get_tensor_parallel_group()) == 1:
+        raise TsConfigError(
+            "--sequence-parallel splits activations over the tensor-parallel group: it needs --model-parallel-size > 1 "
+            "(drop the flag or raise --model-parallel-size)"
+        )
+    return True

@@ -15,7 +15,8 @@ from fairseq.models import FairseqIncrementalDecoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
-from torchscale_fairseq.model_parallel.attributes import mark_vocab_padded
+from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
 from torchscale_fairseq.model_parallel.process_groups import group_size
@@ -42,6 +43,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             for i in range(cfg.layers)
         ])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        if cfg.sequence_parallel and self.layer_norm is not None:
+            mark_sequence_parallel(self.layer_norm.parameters())
         self.rel_pos = (
             RelativePositionBias(cfg.attention_heads, False, cfg.rel_pos_buckets, cfg.max_rel_pos, cfg.tp_group)
             if cfg.rel_pos_buckets > 0 else None
@@ -86,13 +89,17 @@ class TransformerDecoder(FairseqIncrementalDecoder):
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         incremental = incremental_state is not None and _STEP_KEY in incremental_state
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
+        length = prev_output_tokens.size(1)
+        split = is_split(self.cfg, self.training)
+        if split:
+            prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
         x = self.embed(prev_output_tokens, last_only=incremental)
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None
         if not incremental and bool(prev_output_tokens.eq(self.padding_idx).any()):
             padding_mask = prev_output_tokens.eq(self.padding_idx)
-        t = x.size(1)
+        t = 1 if incremental else prev_output_tokens.size(1)
         bias = self.rel_pos(t, offset + t, offset) if self.rel_pos is not None else None
         memory = memory_mask = None
         if encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
@@ -112,6 +119,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 states.append(x)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
+        if split:
+            x = gather_sequence(x, self.cfg, length)
         return x, {"attn": [None], "inner_states": states, "moe": moe}
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:

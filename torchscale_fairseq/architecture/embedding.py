@@ -11,7 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.sequence_parallel import is_split, split_sequence
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
 from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, VocabParallelEmbedding
+from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.positions import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
 
@@ -34,9 +37,14 @@ class InputEmbedding(nn.Module):
         elif cfg.positions == "sinusoidal":
             self.embed_positions = SinusoidalPositionalEmbedding(cfg.embed_dim, padding_idx, cfg.max_positions + padding_idx + 1)
         self.layernorm_embedding = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.layernorm_embedding else None
+        self.cfg = cfg
+        if cfg.sequence_parallel and self.layernorm_embedding is not None:
+            mark_sequence_parallel(self.layernorm_embedding.parameters())
 
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding)."""
+        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding).
+        Under sequence parallelism (training) the result is this rank's slice of the
+        sequence, and its dropout masks are this rank's own."""
         positions = self.embed_positions(tokens) if self.embed_positions is not None else None
         if last_only:
             tokens = tokens[:, -1:]
@@ -44,6 +52,12 @@ class InputEmbedding(nn.Module):
         x = self.embed_tokens(tokens) * self.scale
         if positions is not None:
             x = x + positions.to(x.dtype)
+        if not is_split(self.cfg, self.training):
+            if self.layernorm_embedding is not None:
+                x = self.layernorm_embedding(x)
+            return F.dropout(x, self.dropout, self.training)
+        x = split_sequence(x, self.cfg)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
-        return F.dropout(x, self.dropout, self.training)
+        with get_rng_tracker().fork():
+            return F.dropout(x, self.dropout, self.training)

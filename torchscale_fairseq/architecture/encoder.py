@@ -12,6 +12,8 @@ from fairseq.models import FairseqEncoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens, sequence_slice
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -26,6 +28,8 @@ class TransformerEncoder(FairseqEncoder):
             wrap_layer(TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")), cfg) for i in range(cfg.layers)
         ])
         self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        if cfg.sequence_parallel and self.layer_norm is not None:
+            mark_sequence_parallel(self.layer_norm.parameters())
         self.rel_pos = (
             RelativePositionBias(cfg.attention_heads, True, cfg.rel_pos_buckets, cfg.max_rel_pos, cfg.tp_group)
             if cfg.rel_pos_buckets > 0 else None
@@ -38,12 +42,15 @@ class TransformerEncoder(FairseqEncoder):
         return_all_hiddens: bool = False,
         **unused,
     ) -> Dict[str, List]:
-        padding_mask = src_tokens.eq(self.padding_idx)
+        length = src_tokens.size(1)
+        split = is_split(self.cfg, self.training)
+        tokens = pad_tokens(src_tokens, self.cfg, self.padding_idx) if split else src_tokens
+        padding_mask = tokens.eq(self.padding_idx)
         has_pad = bool(padding_mask.any())
-        x = self.embed(src_tokens)
+        x = self.embed(tokens)
         if has_pad:
-            x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-        bias = self.rel_pos(x.size(1), x.size(1)) if self.rel_pos is not None else None
+            x = x.masked_fill((sequence_slice(padding_mask, self.cfg) if split else padding_mask).unsqueeze(-1), 0.0)
+        bias = self.rel_pos(tokens.size(1), tokens.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
         states = [x] if return_all_hiddens else []
         moe = []
@@ -55,6 +62,8 @@ class TransformerEncoder(FairseqEncoder):
                 states.append(x)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
+        if split:
+            x, padding_mask = gather_sequence(x, self.cfg, length), padding_mask[:, :length]
         return {
             "encoder_out": [x],
             "encoder_padding_mask": [padding_mask],

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.architecture.config import StackConfig
-from torchscale_fairseq.model_parallel.random import checkpoint_context
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
+from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
 from torchscale_fairseq.modules.moe.balance import MoEAux
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -59,7 +60,7 @@ class TransformerLayer(nn.Module):
         self.alpha = b.alpha
         self.dropout = cfg.dropout
         attn_kwargs = dict(dropout=cfg.attention_dropout, subln=b.subln, gain=b.gain, layernorm_eps=cfg.layernorm_eps,
-                           tp_group=cfg.tp_group)
+                           tp_group=cfg.tp_group, sequence_parallel=cfg.sequence_parallel)
         self.self_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, xpos=cfg.xpos, **attn_kwargs)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.cross_attn = None
@@ -68,16 +69,29 @@ class TransformerLayer(nn.Module):
             self.cross_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.ffn = ffn if ffn is not None else FeedForwardNetwork(
             cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain, cfg.layernorm_eps,
-            cfg.tp_group,
+            cfg.tp_group, cfg.sequence_parallel,
         )
         self.final_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.checkpoint_activations = cfg.checkpoint_activations
+        self.sequence_parallel = cfg.sequence_parallel
+        if cfg.sequence_parallel:
+            norms = [self.self_attn_layer_norm, self.final_layer_norm]
+            norms += [self.cross_attn_layer_norm] if cross_attention else []
+            mark_sequence_parallel(p for norm in norms for p in norm.parameters())
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn) -> torch.Tensor:
         if self.normalize_before:
-            return dropout_add(x, fn(norm(x)), self.dropout, self.training)
+            return self._dropout_add(x, fn(norm(x)))
         residual = x * self.alpha if self.alpha != 1.0 else x
-        return norm(dropout_add(residual, fn(x), self.dropout, self.training))
+        return norm(self._dropout_add(residual, fn(x)))
+
+    def _dropout_add(self, residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Residual dropout; on a slice of the sequence each rank draws its own masks
+        (the tensor-parallel RNG stream), as each rank owns different positions."""
+        if self.sequence_parallel and self.training:
+            with get_rng_tracker().fork():
+                return dropout_add(residual, y, self.dropout, self.training)
+        return dropout_add(residual, y, self.dropout, self.training)
 
     def forward(
         self,

@@ -5,6 +5,8 @@
 - data parallelism runs over our data-parallel group under tensor parallelism
   (Megatron-LM appendix B.1): gradients are averaged and batches sharded over it, and
   the ranks of one tensor-parallel group see identical batches;
+- under ``--sequence-parallel`` the gradients of the parameters used on a slice of the
+  sequence are summed over the tensor-parallel group before the norm;
 - the gradient norm counts every gradient once (``utils.clip_grad_norm_`` is
   :mod:`.clip_grad_norm`); fp32 master copies carry their parameters' attributes;
   SparseClip's dense and expert parts are logged on unscaled gradients;
@@ -52,6 +54,7 @@ from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
+from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
@@ -163,6 +166,8 @@ class TsTrainer(Trainer):
         carry_parallel_attributes(self._optimizer)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
+        # fairseq calls this once per update, after the data-parallel all-reduce
+        sum_sequence_parallel_grads(self._model, groups.get_tensor_parallel_group())
         factor = _pending_factor(self.optimizer)
         try:
             norm = super().clip_grad_norm(clip_norm)

@@ -5,6 +5,8 @@ and copy them.
 - tensor parallelism: ``tensor_parallel_dim`` (split dimension, ``None`` = replicated),
   ``tensor_parallel_stride`` (independent blocks along it, e.g. 3 for fused Q/K/V),
   ``tensor_parallel_vocab`` (real vocabulary size of a padded vocabulary dimension);
+- sequence parallelism: ``sequence_parallel`` (a replicated parameter used on this rank's
+  slice of the sequence only, whose gradient is summed over the tensor-parallel group);
 - expert parallelism: ``expert`` (ranks hold different experts under the same name),
   ``expert_group`` (the ranks holding the *other* experts, for the gradient norm) and
   ``expert_replica_group`` (the ranks holding a copy of the *same* experts, for gradient
@@ -13,6 +15,7 @@ and copy them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ import torch
 TP_DIM = "tensor_parallel_dim"
 TP_STRIDE = "tensor_parallel_stride"
 TP_VOCAB = "tensor_parallel_vocab"
+SEQUENCE_PARALLEL = "sequence_parallel"
 EXPERT = "expert"
 EXPERT_GROUP = "expert_group"
 EXPERT_REPLICA_GROUP = "expert_replica_group"
@@ -28,6 +32,7 @@ PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     TP_DIM: None,
     TP_STRIDE: 1,
     TP_VOCAB: None,
+    SEQUENCE_PARALLEL: False,
     EXPERT: False,
     EXPERT_GROUP: None,
     EXPERT_REPLICA_GROUP: None,
@@ -56,6 +61,16 @@ def mark_vocab_padded(param: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def sharded_dim(param: Any) -> int | None:
     """The split dimension of a sharded parameter, ``None`` for a replicated one."""
     return getattr(param, TP_DIM, None)
+
+
+def mark_sequence_parallel(params: Iterable[torch.Tensor]) -> None:
+    """Mark replicated parameters used on this rank's slice of the sequence only."""
+    for param in params:
+        setattr(param, SEQUENCE_PARALLEL, True)
+
+
+def is_sequence_parallel(param: Any) -> bool:
+    return bool(getattr(param, SEQUENCE_PARALLEL, False))
 
 
 def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:

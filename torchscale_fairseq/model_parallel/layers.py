@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.mappings import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     sum_over_group,
 )
 from torchscale_fairseq.model_parallel.partition import padded_vocab_size, shard_tensor
@@ -64,7 +66,9 @@ def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, group: TensorP
 
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns (output features); output stays sharded
-    unless ``gather_output``. ``stride`` > 1 keeps fused blocks (Q/K/V) whole per rank."""
+    unless ``gather_output``. ``stride`` > 1 keeps fused blocks (Q/K/V) whole per rank.
+    With ``sequence_parallel``, a training input is this rank's slice of the sequence and
+    is all-gathered first (reduce-scattered gradient) instead of ``f``."""
 
     def __init__(
         self,
@@ -76,19 +80,24 @@ class ColumnParallelLinear(nn.Module):
         init_method: InitMethod = xavier_normal_init,
         what: str = "output size",
         tp_group: TensorParallelGroup = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         divide(out_features // stride, group_size(tp_group), what)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.stride = gather_output, stride
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _sharded_parameter(full, 0, stride, tp_group)
         self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride, tp_group) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        if self.sequence_parallel and self.training:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
         n = group_size(self.tp_group)
         if not self.gather_output or n == 1:
             return y
@@ -101,7 +110,10 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by rows (input features); the partial products are
-    all-reduced and the (replicated) bias is added once, after the all-reduce."""
+    all-reduced and the (replicated) bias is added once, after the all-reduce. With
+    ``sequence_parallel`` a training output is reduce-scattered along the sequence instead
+    (the bias then sees this rank's slice only: its gradient is marked for the
+    tensor-parallel sum)."""
 
     def __init__(
         self,
@@ -111,18 +123,25 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod = xavier_normal_init,
         what: str = "input size",
         tp_group: TensorParallelGroup = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         divide(in_features, group_size(tp_group), what)
         self.in_features, self.out_features = in_features, out_features
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _sharded_parameter(full, 1, 1, tp_group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if sequence_parallel and bias:
+            mark_sequence_parallel([self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel and self.training:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

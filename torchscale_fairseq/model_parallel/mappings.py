@@ -7,6 +7,13 @@ and ``g`` = :func:`reduce_from_tensor_parallel_region` (all-reduce forward, iden
 backward); a gather along the last dimension (split backward); and
 :func:`sum_over_group`, the plain all-reduce that autograd functions with their own
 backward use (e.g. the sharded LayerNorm's moments).
+
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) splits the activations
+between the tensor-parallel blocks along the sequence (dimension 1 of the batch-first
+``(B, T, C)``): ``g`` becomes :func:`gather_from_sequence_parallel_region` (all-gather
+forward, reduce-scatter backward) before a column-parallel layer, and ``g-bar``
+:func:`reduce_scatter_to_sequence_parallel_region` (reduce-scatter forward, all-gather
+backward) after a row-parallel one: the bytes of the two all-reduces they replace.
 """
 
 from __future__ import annotations
@@ -32,6 +39,26 @@ def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``(B, T/n, C)`` concatenated along the sequence: ``(B, T, C)``."""
+    local = x.transpose(0, 1).contiguous()
+    out = local.new_empty((local.size(0) * group_size(group), *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(B, T, C)`` summed over the ranks, each keeping its ``(B, T/n, C)`` slice."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.size(0) // group_size(group), *full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full, group=group)
+    return out.transpose(0, 1)
+
+
+def _split_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.chunk(group_size(group), dim=1)[group_rank(group)].contiguous()
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -66,6 +93,41 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _reduce_scatter_sequence(grad, ctx.group), None, None
+        return _split_sequence(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.group), None
+
+
 def _tp(fn, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else fn.apply(x, group)
 
@@ -89,3 +151,24 @@ def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension; split the gradient."""
     return _tp(_GatherFromTensorParallelRegion, x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's slice of the sequence (``T`` divisible by the group size); the gradient
+    is all-gathered."""
+    return _tp(_ScatterToSequenceParallelRegion, x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None,
+                                         grad_is_partial: bool = True) -> torch.Tensor:
+    """All ranks' sequence slices concatenated. Backward: reduce-scatter when each rank's
+    gradient is a partial sum (a column-parallel layer follows), else this rank's slice."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The ranks' partial sums added, each rank keeping its sequence slice; the gradient
+    is all-gathered."""
+    return _tp(_ReduceScatterToSequenceParallelRegion, x, group)

@@ -74,6 +74,11 @@ class TsCommonConfig(TsMoEConfig):
         default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
     )
     layernorm_eps: float = field(default=1e-5, metadata={"help": "LayerNorm epsilon"})
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={"help": "in training, split LayerNorm, dropout and residual activations along the sequence over "
+                          "the tensor-parallel group (Korthikanti et al. 2022); needs --model-parallel-size > 1"},
+    )
     max_skipped_updates: int = field(
         default=MAX_SKIPPED_UPDATES,
         metadata={"help": "stop training after this many updates in a row are skipped for a non-finite gradient "

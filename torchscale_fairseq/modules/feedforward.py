@@ -46,6 +46,7 @@ class FeedForwardNetwork(nn.Module):
         gain: float = 1.0,
         layernorm_eps: float = 1e-5,
         tp_group: TensorParallelGroup = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         check_activation(activation)
@@ -55,11 +56,11 @@ class FeedForwardNetwork(nn.Module):
         self.fc1 = ColumnParallelLinear(
             embed_dim, parts * ffn_dim, stride=parts,
             init_method=scaled_xavier_blocks(parts, {i: gain for i in range(parts)}), what="FFN dimension",
-            tp_group=tp_group,
+            tp_group=tp_group, sequence_parallel=sequence_parallel,
         )
         self.ffn_layernorm = ParallelLayerNorm(ffn_dim, eps=layernorm_eps, tp_group=tp_group) if subln else None
         self.fc2 = RowParallelLinear(ffn_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
-                                     what="FFN dimension", tp_group=tp_group)
+                                     what="FFN dimension", tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

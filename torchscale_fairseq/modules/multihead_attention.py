@@ -55,6 +55,7 @@ class MultiheadAttention(nn.Module):
         xpos: bool = False,
         layernorm_eps: float = 1e-5,
         tp_group: TensorParallelGroup = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -70,12 +71,12 @@ class MultiheadAttention(nn.Module):
         if self_attention:
             self.qkv_proj = ColumnParallelLinear(
                 embed_dim, 3 * embed_dim, stride=3, init_method=scaled_xavier_blocks(3, {2: gain}),
-                what="number of attention heads", tp_group=tp_group,
+                what="number of attention heads", tp_group=tp_group, sequence_parallel=sequence_parallel,
             )
         else:
             self.q_proj = ColumnParallelLinear(
                 embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {}), what="number of attention heads",
-                tp_group=tp_group,
+                tp_group=tp_group, sequence_parallel=sequence_parallel,
             )
             self.kv_proj = ColumnParallelLinear(
                 embed_dim, 2 * embed_dim, stride=2, init_method=scaled_xavier_blocks(2, {1: gain}),
@@ -83,7 +84,7 @@ class MultiheadAttention(nn.Module):
             )
         self.inner_attn_ln = ParallelLayerNorm(embed_dim, eps=layernorm_eps, tp_group=tp_group) if subln else None
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
-                                          tp_group=tp_group)
+                                          tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.xpos = XPos(self.head_dim) if xpos and self_attention else None
         self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
 
@@ -106,8 +107,9 @@ class MultiheadAttention(nn.Module):
     ) -> torch.Tensor:
         """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
         ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``offset`` = position
-        of the first query (incremental decoding)."""
-        b, t, _ = x.shape
+        of the first query (incremental decoding). Under sequence parallelism ``x`` is this
+        rank's slice of the sequence: the query projection gathers it, the output projection
+        scatters it back; keys/values of ``memory`` (full) are projected as usual."""
         cache = incremental_state.get(self.cache_key) if incremental_state is not None else None
         if self.self_attention:
             q, k, v = self._heads(self.qkv_proj(x), 3)
@@ -127,7 +129,7 @@ class MultiheadAttention(nn.Module):
                 k, v = self._heads(self.kv_proj(memory), 2)
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
-        s = k.size(2)
+        b, t, s = q.size(0), q.size(2), k.size(2)
         mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device)
         is_causal = causal and mask is None and t == s and t > 1
         dropout_p = self.dropout if self.training else 0.0
