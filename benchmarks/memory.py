@@ -24,7 +24,9 @@ with it. Adapted to this layer (same bookkeeping, term by term):
 
 ``B`` is the activation width (4 fp32, 2 bf16), ``M`` the residual dropout mask width
 (this layer keeps the mask in the activation dtype: ``M = B``). With
-``--checkpoint-activations full`` a layer saves only its input (``B``).
+``--sequence-parallel`` the replicated part is divided by ``t`` as well (each rank holds
+``s / t`` positions). With ``--checkpoint-activations`` a layer saves only its input
+(``B``, divided by ``t`` under sequence parallelism).
 
     .venv/bin/python benchmarks/memory.py [--tp 1 2 4] [--seq 2048] [--dtype float32 bfloat16]
 
@@ -50,22 +52,24 @@ CORE_QKV = {"float32": 5 * 4, "bfloat16": 3 * 4}  # math SDPA's saved Q/K/V byte
 CORE_SCORES = 3 * 4  # softmax out, dropout mask, dropout out (fp32) per a s^2 b
 
 
-def formula(s: int, b: int, t: int, dtype: str, magneto: bool, recompute: str) -> float:
+def formula(s: int, b: int, t: int, dtype: str, magneto: bool, recompute: str, sequence_parallel: bool) -> float:
     """Bytes per layer and rank of the module docstring's adapted count."""
     width = WIDTH[dtype]
     sbh = s * b * HIDDEN
     if recompute == "full":
-        return sbh * width
+        return sbh * width / (t if sequence_parallel else 1)
     replicated = sbh * (4 * width + 2 * width)
     sharded = sbh * (CORE_QKV[dtype] + width + 8 * width + (5 * width if magneto else 0))
     scores = HEADS * s * s * b * CORE_SCORES
-    return replicated + (sharded + scores) / t
+    return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t
 
 
-def paper(s: int, b: int, t: int) -> float:
-    """Korthikanti et al. 2022, eq. 2 (t = 1) and the tensor-parallel row of table 2."""
+def paper(s: int, b: int, t: int, sequence_parallel: bool) -> float:
+    """Korthikanti et al. 2022, eq. 2 (t = 1) and the tensor-parallel rows of table 2."""
     sbh = s * b * HIDDEN
-    return sbh * (10 + 24 / t + 5 * HEADS * s / (HIDDEN * t)) if t > 1 else sbh * (34 + 5 * HEADS * s / HIDDEN)
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * HEADS * s / HIDDEN)
+    return sbh * (10 + 24 / t + 5 * HEADS * s / (HIDDEN * t))
 
 
 def saved_bytes(layer, x) -> int:
@@ -101,23 +105,27 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
     initialize_model_parallel(args.world)
     rows = []
-    for backbone in ("magneto", "preln"):
-        for recompute in ("none", "full"):
-            cfg = StackConfig(embed_dim=HIDDEN, ffn_dim=FFN, layers=12, attention_heads=HEADS,
-                              backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=args.seq,
-                              dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute != "none",
-                              tp_group=get_tensor_parallel_group())
-            torch.manual_seed(0)
-            layer = TransformerLayer(cfg).to(getattr(torch, args.dtype)).train()
-            x = torch.randn(args.batch, args.seq, HIDDEN, dtype=layer.final_layer_norm.weight.dtype,
-                            requires_grad=True)
-            saved = saved_bytes(layer, x)
-            rows.append({"backbone": backbone, "recompute": recompute, "bytes": saved})
-            del layer
+    for backbone, recompute, sequence_parallel in configurations(args.world):
+        cfg = StackConfig(embed_dim=HIDDEN, ffn_dim=FFN, layers=12, attention_heads=HEADS,
+                          backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=args.seq,
+                          dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute != "none",
+                          tp_group=get_tensor_parallel_group(), sequence_parallel=sequence_parallel)
+        torch.manual_seed(0)
+        layer = TransformerLayer(cfg).to(getattr(torch, args.dtype)).train()
+        local = args.seq // args.world if sequence_parallel else args.seq
+        x = torch.randn(args.batch, local, HIDDEN, dtype=layer.final_layer_norm.weight.dtype, requires_grad=True)
+        rows.append({"config": [backbone, recompute, sequence_parallel], "bytes": saved_bytes(layer, x)})
+        del layer
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def configurations(t: int) -> list[tuple[str, str, bool]]:
+    """(backbone, recompute, sequence parallel) measured at tensor-parallel size ``t``."""
+    return [(backbone, recompute, sp) for backbone in ("magneto", "preln") for recompute in ("none", "full")
+            for sp in ((False, True) if t > 1 else (False,))]
 
 
 def measure(t: int, seq: int, batch: int, dtype: str) -> list[dict]:
@@ -153,20 +161,22 @@ def main() -> None:
     sbh = s * b * HIDDEN
     print(f"ts_lm_large layer (h={HIDDEN}, a={HEADS}, FFN {FFN}), s={s}, b={b}, dropout 0.1, CPU; "
           "bytes per layer and rank; `/sbh` = bytes / (s b h)\n")
-    print("| backbone | dtype | t | recompute | measured /sbh | adapted formula /sbh | measured / formula "
+    print("| backbone | dtype | t | SP | recompute | measured /sbh | adapted formula /sbh | measured / formula "
           "| vs t=1 | paper (16-bit) /sbh |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtype:
-        results = {t: measure(t, s, b, dtype) for t in args.tp}
-        for backbone in ("magneto", "preln"):
-            for recompute in ("none", "full"):
-                base = next(r["bytes"] for r in results[min(args.tp)]
-                            if r["backbone"] == backbone and r["recompute"] == "none")
-                for t in args.tp:
-                    got = next(r["bytes"] for r in results[t] if r["backbone"] == backbone and r["recompute"] == recompute)
-                    want = formula(s, b, t, dtype, backbone == "magneto", recompute)
-                    print(f"| {backbone} | {dtype} | {t} | {recompute} | {got / sbh:.1f} | {want / sbh:.1f} | "
-                          f"{got / want:.3f} | {got / base:.3f} | {paper(s, b, t) / sbh:.1f} |")
+        results = {t: {tuple(r["config"]): r["bytes"] for r in measure(t, s, b, dtype)} for t in args.tp}
+        for backbone, recompute, sp in sorted({c for t in args.tp for c in configurations(t)}):
+            base = results[min(args.tp)][(backbone, "none", False)]
+            for t in args.tp:
+                if (backbone, recompute, sp) not in results[t]:
+                    continue
+                got = results[t][(backbone, recompute, sp)]
+                want = formula(s, b, t, dtype, backbone == "magneto", recompute, sp)
+                shown = paper(s, b, t, sp) / sbh if recompute == "none" else "-"
+                print(f"| {backbone} | {dtype} | {t} | {'yes' if sp else 'no'} | {recompute} | {got / sbh:.1f} | "
+                      f"{want / sbh:.1f} | {got / want:.3f} | {got / base:.3f} | "
+                      f"{shown if isinstance(shown, str) else f'{shown:.1f}'} |")
 
 
 if __name__ == "__main__":

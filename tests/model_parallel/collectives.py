@@ -1,6 +1,6 @@
 """A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
-``all_gather`` and the sequence-parallel ``all_gather_into_tensor`` /
-``reduce_scatter_tensor`` while active and records ``(collective, direction, numel)`` for
+``all_gather`` and the sequence-parallel ``all_gather_single`` / ``reduce_scatter_single``
+while active and records ``(collective, direction, numel)`` for
 each call (``numel`` of the input), ``direction`` being ``backward`` inside an autograd
 backward pass."""
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-RECORDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+RECORDED = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single")
 
 
 @contextlib.contextmanager

@@ -67,13 +67,15 @@ def test_two_large_all_reduces_each_way_per_layer(results, backbone, stats):
 
 @pytest.mark.parametrize("backbone,stats", [("magneto", 4), ("preln", 0)])
 def test_sequence_parallel_layer_gathers_and_reduce_scatters(results, backbone, stats):
-    """Korthikanti et al. 2022, Fig. 5: per layer, forward an all-gather before each
-    column-parallel block and a reduce-scatter after each row-parallel one, the mirror
-    backward, and no all-reduce of activations (only Magneto's per-token LN statistics)."""
+    """Korthikanti et al. 2022, Fig. 5 and section 4.2.2: per layer, forward an all-gather
+    before each column-parallel block and a reduce-scatter after each row-parallel one;
+    backward the mirror, plus one all-gather per column-parallel block that gathers its
+    input again (only the rank's slice is kept); no all-reduce of activations (only
+    Magneto's per-token LN statistics)."""
     b, t, d = results["sp_shape"]
     log = [tuple(entry) for entry in results["collectives"][f"sp_{backbone}"]]
-    for direction in ("forward", "backward"):
-        assert log.count(("all_gather_into_tensor", direction, b * t * d // 2)) == 2, log
-        assert log.count(("reduce_scatter_tensor", direction, b * t * d)) == 2, log
+    for direction, gathers in (("forward", 2), ("backward", 4)):
+        assert log.count(("all_gather_single", direction, b * t * d // 2)) == gathers, log
+        assert log.count(("reduce_scatter_single", direction, b * t * d)) == 2, log
         assert log.count(("all_reduce", direction, b * t)) == stats, log
-    assert len(log) == 8 + 2 * stats, log
+    assert len(log) == 10 + 2 * stats, log

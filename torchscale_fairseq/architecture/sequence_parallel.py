@@ -44,4 +44,4 @@ def gather_sequence(x: torch.Tensor, cfg: StackConfig, length: int) -> torch.Ten
     """The full ``(B, length, C)`` features from every rank's slice (padding cut off). Each
     rank's consumer (the vocabulary-parallel output, a column-parallel K/V projection)
     sums its gradient over the group itself, so the backward keeps this rank's slice."""
-    return gather_from_sequence_parallel_region(x, cfg.tp_group, grad_is_partial=False)[:, :length]
+    return gather_from_sequence_parallel_region(x, cfg.tp_group)[:, :length]

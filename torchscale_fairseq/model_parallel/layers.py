@@ -19,10 +19,11 @@ from torch import nn
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.mappings import (
+    all_gather_sequence,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
     sum_over_group,
 )
@@ -64,11 +65,33 @@ def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, group: TensorP
     return mark_sharded(nn.Parameter(shard_tensor(full, dim, stride, rank, n)), dim, stride)
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``Y = all_gather(X_r) A + b`` keeping only this rank's ``X_r`` for backward, which
+    gathers it again for ``dA`` and reduce-scatters ``dX`` (Megatron-LM's sequence-parallel
+    column-parallel linear): the saved input is ``1/t`` of the gathered one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = all_gather_sequence(x, ctx.group)
+        grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
+        grad_weight = grad.flatten(0, -2).t().matmul(full.flatten(0, -2))
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns (output features); output stays sharded
     unless ``gather_output``. ``stride`` > 1 keeps fused blocks (Q/K/V) whole per rank.
     With ``sequence_parallel``, a training input is this rank's slice of the sequence and
-    is all-gathered first (reduce-scattered gradient) instead of ``f``."""
+    is all-gathered first (reduce-scattered gradient) instead of ``f``
+    (:class:`_SequenceParallelLinear`)."""
 
     def __init__(
         self,
@@ -93,11 +116,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride, tp_group) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.training:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        if self.sequence_parallel and self.training and group_size(self.tp_group) > 1:
+            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
         n = group_size(self.tp_group)
         if not self.gather_output or n == 1:
             return y

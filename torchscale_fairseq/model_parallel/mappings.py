@@ -10,10 +10,12 @@ backward use (e.g. the sharded LayerNorm's moments).
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) splits the activations
 between the tensor-parallel blocks along the sequence (dimension 1 of the batch-first
-``(B, T, C)``): ``g`` becomes :func:`gather_from_sequence_parallel_region` (all-gather
-forward, reduce-scatter backward) before a column-parallel layer, and ``g-bar``
+``(B, T, C)``): the all-gather before a column-parallel layer lives in that layer
+(:class:`~torchscale_fairseq.model_parallel.layers.ColumnParallelLinear`), and
 :func:`reduce_scatter_to_sequence_parallel_region` (reduce-scatter forward, all-gather
-backward) after a row-parallel one: the bytes of the two all-reduces they replace.
+backward) replaces ``g`` after a row-parallel one: the bytes of the two all-reduces they
+replace. A stack enters the region with :func:`scatter_to_sequence_parallel_region` and
+leaves it with :func:`gather_from_sequence_parallel_region`.
 """
 
 from __future__ import annotations
@@ -41,19 +43,21 @@ def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``(B, T/n, C)`` concatenated along the sequence: ``(B, T, C)``."""
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``(B, T/n, C)`` concatenated along the sequence: ``(B, T, C)`` (outside
+    autograd)."""
     local = x.transpose(0, 1).contiguous()
     out = local.new_empty((local.size(0) * group_size(group), *local.shape[1:]))
-    dist.all_gather_into_tensor(out, local, group=group)
+    dist.all_gather_single(out, local, group=group)
     return out.transpose(0, 1)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``(B, T, C)`` summed over the ranks, each keeping its ``(B, T/n, C)`` slice."""
+def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(B, T, C)`` summed over the ranks, each keeping its ``(B, T/n, C)`` slice (outside
+    autograd)."""
     full = x.transpose(0, 1).contiguous()
     out = full.new_empty((full.size(0) // group_size(group), *full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full, group=group)
+    dist.reduce_scatter_single(out, full, group=group)
     return out.transpose(0, 1)
 
 
@@ -101,31 +105,29 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, grad_is_partial):
-        ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return _all_gather_sequence(x, group)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grad_is_partial:
-            return _reduce_scatter_sequence(grad, ctx.group), None, None
-        return _split_sequence(grad, ctx.group), None, None
+        return _split_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_sequence(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 def _tp(fn, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -159,13 +161,10 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGrou
     return _tp(_ScatterToSequenceParallelRegion, x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None,
-                                         grad_is_partial: bool = True) -> torch.Tensor:
-    """All ranks' sequence slices concatenated. Backward: reduce-scatter when each rank's
-    gradient is a partial sum (a column-parallel layer follows), else this rank's slice."""
-    if group_size(group) == 1:
-        return x
-    return _GatherFromSequenceParallelRegion.apply(x, group, grad_is_partial)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All ranks' sequence slices concatenated; backward, this rank's slice of a gradient
+    every rank holds in full."""
+    return _tp(_GatherFromSequenceParallelRegion, x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
