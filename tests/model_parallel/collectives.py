@@ -1,6 +1,8 @@
-"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce`` and
-``all_gather`` while active and records ``(collective, direction, numel)`` for each call,
-``direction`` being ``backward`` inside an autograd backward pass."""
+"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
+``all_gather`` and ``all_to_all_single`` while active and records
+``(collective, direction, numel)`` for each call, ``direction`` being ``backward`` inside an
+autograd backward pass (which includes what activation checkpointing recomputes there);
+``numel`` counts the tensor written (the output of ``all_to_all_single``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-RECORDED = ("all_reduce", "all_gather")
+RECORDED = ("all_reduce", "all_gather", "all_to_all_single")
 
 
 @contextlib.contextmanager
@@ -20,7 +22,7 @@ def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
 
     def recorder(name: str):
         def call(first, *args, **kwargs):
-            tensor = first if name == "all_reduce" else args[0]
+            tensor = args[0] if name == "all_gather" else first
             direction = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
             log.append((name, direction, tensor.numel()))
             return originals[name](first, *args, **kwargs)

@@ -7,10 +7,19 @@ their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back 
 get a zero output, so the residual carries them. The forward returns the output and
 an :class:`~.balance.MoEAux` (balance loss and routing statistics, see :mod:`.balance`),
 which the model passes up to the criterion.
+
+Under activation checkpointing the layer's forward runs twice, the second time in backward
+with the random generators replayed (so the router draws the same noise and second
+experts). A :class:`RecomputeMemo` handed to both runs keeps what the first learned from
+other ranks (the all-to-all count table, the global balance-loss counts) and its routing
+statistics, so the recomputation sends only the two all-to-alls, whose outputs (the
+experts' inputs, their returned outputs) backward needs, and checks that it routed as the
+first run did.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -18,7 +27,7 @@ from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
-from torchscale_fairseq.modules.moe.balance import MoEAux, balance_loss, routing_stats
+from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats, balance_loss, choice_totals, routing_stats
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -40,6 +49,20 @@ def check_generation(models: Iterable[nn.Module]) -> None:
     for model in models:
         if any(isinstance(m, MoELayer) and m.cfg.router == "expert_choice" for m in model.modules()):
             raise TsConfigError(EXPERT_CHOICE_DECODING)
+
+
+@dataclass
+class RecomputeMemo:
+    """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
+    recomputation in backward. ``counts``: rows per expert this rank dispatched; ``table``:
+    every rank's counts (the all-gather); ``totals``: the balance loss's
+    :func:`~.balance.choice_totals`; ``stats``: the routing statistics."""
+
+    counts: list[int] | None = None
+    table: torch.Tensor | None = None
+    totals: torch.Tensor | None = None
+    stats: RoutingStats | None = None
+    filled: bool = False
 
 
 class MoELayer(nn.Module):
@@ -83,7 +106,10 @@ class MoELayer(nn.Module):
                                     cfg.normalize_gate_prob_before_dropping, self.training)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                incremental: bool = False) -> tuple[torch.Tensor, MoEAux]:
+                incremental: bool = False, memo: RecomputeMemo | None = None) -> tuple[torch.Tensor, MoEAux]:
+        """``memo``: shared by the forward and the recomputation of one checkpointed call
+        (see the module docstring); ``None`` without checkpointing."""
+        replay = memo is not None and memo.filled
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         keep = None
@@ -97,32 +123,52 @@ class MoELayer(nn.Module):
         if self.cfg.router == "expert_choice":
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
-            loss = balance_loss(probs, routing.first_expert, group)
-        aux = MoEAux(self.tag, loss, routing_stats(probs, routing.requested, routing.routed, routing.dropped), group)
-        out = self.dispatch_combine(tokens, routing)
+            totals = memo.totals if replay else choice_totals(routing.first_expert, probs.size(1), group)
+            loss = balance_loss(probs, routing.first_expert, totals=totals)
+            if memo is not None:
+                memo.totals = totals
+        stats = memo.stats if replay else routing_stats(probs, routing.requested, routing.routed, routing.dropped)
+        aux = MoEAux(self.tag, loss, stats, group)
+        out = self.dispatch_combine(tokens, routing, memo)
+        if memo is not None:
+            memo.stats, memo.filled = stats, True
         if keep is not None:
             out = flat.new_zeros(flat.shape).index_copy(0, keep, out)
         return out.view(shape), aux
 
-    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert, run the experts, weight and add back."""
         expert, order = torch.sort(routing.expert, stable=True)
         token = routing.token[order]
         counts = torch.bincount(expert, minlength=self.cfg.expert_count)
-        out = self.run_experts(tokens.index_select(0, token), counts)
+        out = self.run_experts(tokens.index_select(0, token), counts, memo)
         weighted = out * routing.gate[order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """``rows`` grouped by expert (``counts[e]`` for expert ``e``) through the experts,
         wherever they live. Across ranks only real rows travel: rank ``r`` sends rank ``q``
         the rows of ``q``'s experts, receives them grouped by (sender, expert) and regroups
-        them by (expert, sender) for the experts."""
+        them by (expert, sender) for the experts. With a filled ``memo`` (recomputation) the
+        count table is the first run's, and the routing must have given the same counts."""
         par = self.parallel
+        local = counts.tolist()
+        if memo is not None and memo.filled:
+            if local != memo.counts:
+                raise RuntimeError(
+                    f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it "
+                    f"(rows per expert {local} instead of {memo.counts}): its routing must be a function of its "
+                    "input and the replayed random generators"
+                )
+            table = memo.table
+        else:
+            table = None if par.group is None else all_gather_counts(counts, par.group)
+            if memo is not None:
+                memo.counts, memo.table = local, table
         if par.group is None:
-            return self.experts(rows, counts.tolist())
+            return self.experts(rows, local)
         dim = rows.size(1)
-        table = all_gather_counts(counts, par.group).view(par.world, par.world, par.local_experts)
+        table = table.view(par.world, par.world, par.local_experts)
         send = (table[par.rank].sum(1) * dim).tolist()
         mine = table[:, par.rank]
         recv = (mine.sum(1) * dim).tolist()

@@ -1,0 +1,82 @@
+"""``--checkpoint-activations`` composes with MoE, tensor parallelism and dropout (issue 15,
+item 2). Reference: the same model and step without checkpointing. On 2 gloo ranks, at
+tensor-parallel size 1 (experts spread over the 2 ranks, tokens exchanged by all-to-all)
+and 2, with dropout and attention dropout on, for a dense model and two X-MoE models with
+random routing draws (noisy gate + ``random`` second expert; Gumbel ``sampling`` with the
+global balance scope): the loss, the logged MoE figures and every gradient are bitwise
+equal; the criterion sees one model call and one balance-loss entry per MoE layer, its
+token count being the micro-batch's non-padding tokens per MoE layer; the forward pass
+sends the same collectives, and the recomputation in backward sends only the two
+all-to-alls of each MoE layer (dispatch and combine, whose outputs backward needs), no
+count all-gather and no balance-loss all-reduce."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.model_parallel.mp_helpers import free_port, launch, wait_all
+
+WORLD = 2
+MOE_MODELS = ("moe_noise_random", "moe_sampling_global")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """``{tp: [rank 0 results, rank 1 results]}``; both TP sizes run at once."""
+    out = tmp_path_factory.mktemp("ckpt")
+    procs, logs = [], []
+    for tp in (1, 2):
+        port = free_port()
+        for rank in range(WORLD):
+            logs.append(out / f"tp{tp}.rank{rank}.log")
+            cmd = [sys.executable, "-m", "tests.moe.ckpt_worker", str(rank), str(WORLD), str(tp), str(port),
+                   str(out / f"tp{tp}")]
+            procs.append(launch(cmd, logs[-1]))
+    wait_all(procs, logs, timeout=240)
+    return {tp: [json.loads((out / f"tp{tp}.{rank}.json").read_text()) for rank in range(WORLD)] for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", ["dense", *MOE_MODELS])
+def test_checkpointing_changes_nothing(results, tp, model):
+    for rank, res in enumerate(results[tp]):
+        r = res[model]
+        assert r["all_equal"], f"rank {rank}: not bitwise equal: {r['not_equal']} (max abs diff {r['max_abs_diff']})"
+        assert r["grads"] > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", ["dense", *MOE_MODELS])
+def test_balance_loss_and_routing_stats_recorded_once(results, tp, model):
+    for res in results[tp]:
+        layers = res["moe_layers"] if model != "dense" else 0
+        for run in ("off", "on"):
+            assert res[model][run]["model_calls"] == 1
+            assert res[model][run]["moe_entries"] == layers
+            logged = res[model]["logged"][run]
+            if layers:
+                assert logged["moe_layers"] == 1
+                assert logged["moe_tokens"] == layers * res["tokens"]
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_recompute_repeats_only_the_all_to_alls(results, model):
+    """Per MoE layer and step at TP 1 on 2 ranks: forward 2 all-to-alls and 1 count
+    all-gather either way; backward 2 all-to-alls without checkpointing, 4 with it."""
+    for res in results[1]:
+        layers, off, on = res["moe_layers"], res[model]["off"], res[model]["on"]
+        assert off["all_to_all_single"] == {"forward": 2 * layers, "backward": 2 * layers}
+        assert on["all_to_all_single"] == {"forward": 2 * layers, "backward": 4 * layers}
+        assert off["all_gather"] == on["all_gather"] == {"forward": layers, "backward": 0}
+        assert on["all_reduce"] == off["all_reduce"]  # global scope: the balance totals, forward only
+        assert off["all_reduce"]["backward"] == 0
+
+
+@pytest.mark.parametrize("model", ["dense", *MOE_MODELS])
+def test_no_all_to_all_without_expert_parallelism(results, model):
+    for res in results[2]:
+        for run in ("off", "on"):
+            assert res[model][run]["all_to_all_single"] == {"forward": 0, "backward": 0}
