@@ -62,6 +62,12 @@ def test_balance_loss_and_routing_stats_recorded_once(results, tp, model):
                 assert logged["moe_tokens"] == layers * res["tokens"]
 
 
+@pytest.mark.parametrize("model", ["dense", *MOE_MODELS])
+def test_tensor_parallel_ranks_agree(results, model):
+    """Both TP ranks compute the loss of the same micro-batch (replicated routers route alike)."""
+    assert results[2][0][model]["loss"] == results[2][1][model]["loss"]
+
+
 @pytest.mark.parametrize("model", MOE_MODELS)
 def test_recompute_repeats_only_the_all_to_alls(results, model):
     """Per MoE layer and step at TP 1 on 2 ranks: forward 2 all-to-alls and 1 count

@@ -152,21 +152,20 @@ class MoELayer(nn.Module):
         them by (expert, sender) for the experts. With a filled ``memo`` (recomputation) the
         count table is the first run's, and the routing must have given the same counts."""
         par = self.parallel
-        local = counts.tolist()
         if memo is not None and memo.filled:
-            if local != memo.counts:
+            if counts.tolist() != memo.counts:
                 raise RuntimeError(
                     f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it "
-                    f"(rows per expert {local} instead of {memo.counts}): its routing must be a function of its "
-                    "input and the replayed random generators"
+                    f"(rows per expert {counts.tolist()} instead of {memo.counts}): its routing must be a function "
+                    "of its input and the replayed random generators"
                 )
             table = memo.table
         else:
             table = None if par.group is None else all_gather_counts(counts, par.group)
             if memo is not None:
-                memo.counts, memo.table = local, table
+                memo.counts, memo.table = counts.tolist(), table
         if par.group is None:
-            return self.experts(rows, local)
+            return self.experts(rows, counts.tolist())
         dim = rows.size(1)
         table = table.view(par.world, par.world, par.local_experts)
         send = (table[par.rank].sum(1) * dim).tolist()
