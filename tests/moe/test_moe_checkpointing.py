@@ -2,10 +2,10 @@
 item 2). Reference: the same model and step without checkpointing. On 2 gloo ranks, at
 tensor-parallel size 1 (experts spread over the 2 ranks, tokens exchanged by all-to-all)
 and 2, with dropout and attention dropout on, for a dense model and two X-MoE models with
-random routing draws (noisy gate + ``random`` second expert; Gumbel ``sampling`` with the
-global balance scope): the loss, the logged MoE figures and every gradient are bitwise
+random routing draws (noisy gate + ``random`` second expert, LM and encoder-decoder; Gumbel
+``sampling`` with the global balance scope): the loss, the logged MoE figures and every gradient are bitwise
 equal; the criterion sees one model call and one balance-loss entry per MoE layer, its
-token count being the micro-batch's non-padding tokens per MoE layer; the forward pass
+token count being the non-padding tokens entering the MoE layers; the forward pass
 sends the same collectives, and the recomputation in backward sends only the two
 all-to-alls of each MoE layer (dispatch and combine, whose outputs backward needs), no
 count all-gather and no balance-loss all-reduce."""
@@ -20,7 +20,7 @@ import pytest
 from tests.model_parallel.mp_helpers import free_port, launch, wait_all
 
 WORLD = 2
-MOE_MODELS = ("moe_noise_random", "moe_sampling_global")
+MOE_MODELS = ("moe_noise_random", "moe_sampling_global", "mt_moe_noise_random")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_balance_loss_and_routing_stats_recorded_once(results, tp, model):
             logged = res[model]["logged"][run]
             if layers:
                 assert logged["moe_layers"] == 1
-                assert logged["moe_tokens"] == layers * res["tokens"]
+                assert logged["moe_tokens"] == res[model][run]["routed_tokens"]
 
 
 @pytest.mark.parametrize("model", ["dense", *MOE_MODELS])
