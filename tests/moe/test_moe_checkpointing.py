@@ -16,8 +16,11 @@ import json
 import sys
 
 import pytest
+import torch
 
 from tests.model_parallel.mp_helpers import free_port, launch, wait_all
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
 
 WORLD = 2
 MOE_MODELS = ("moe_noise_random", "moe_sampling_global", "mt_moe_noise_random")
@@ -86,3 +89,26 @@ def test_no_all_to_all_without_expert_parallelism(results, model):
     for res in results[2]:
         for run in ("off", "on"):
             assert res[model][run]["all_to_all_single"] == {"forward": 0, "backward": 0}
+
+
+def _memo_call(layer, x: torch.Tensor, memo: RecomputeMemo, seed: int):
+    torch.manual_seed(seed)  # what the checkpoint replays before the recomputation
+    return layer(x, memo=memo)
+
+
+def test_memo_reuses_the_first_run_and_refuses_other_routing():
+    """One process: a replayed call (same input, same generator state) gives the same output
+    and balance loss and hands back the first run's statistics; other routing (here another
+    input) is one error naming the layer instead of a silent mismatch or a hang."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, router="linear", gate_noise=1.0, capacity_factor=1.0),
+                     8, 16, activation_dropout=0.1, tag="dec1").train()
+    x = torch.randn(2, 16, 8)
+    memo = RecomputeMemo()
+    y, aux = _memo_call(layer, x, memo, 5)
+    assert memo.filled and sum(memo.counts) == aux.stats.routed - aux.stats.dropped
+    y2, aux2 = _memo_call(layer, x, memo, 5)
+    assert torch.equal(y, y2) and torch.equal(aux.balance_loss, aux2.balance_loss)
+    assert aux2.stats is aux.stats
+    with pytest.raises(RuntimeError, match="'dec1' routed differently when activation checkpointing recomputed"):
+        _memo_call(layer, x.flip(1), memo, 5)
