@@ -37,6 +37,9 @@ MODELS = {
     # noisy top-k linear gate (eps ~ N(0, 1) per logit), second expert kept when 2 g2 > U(0, 1)
     "moe_noise_random": ("lm", dict(MOE, decoder_layers=4, moe_router="linear", moe_gate_noise=1.0,
                                     moe_second_expert_policy="random")),
+    # the same, the recomputation reusing the all-to-all outputs of the forward pass
+    "moe_keep_exchange": ("lm", dict(MOE, decoder_layers=4, moe_router="linear", moe_gate_noise=1.0,
+                                     moe_second_expert_policy="random", moe_checkpoint_exchange="keep")),
     # X-MoE router, Gumbel-sampled second expert, balance loss over the data-parallel group
     "moe_sampling_global": ("lm", dict(MOE, decoder_layers=4, moe_router="xmoe", moe_second_expert_policy="sampling",
                                        moe_balance_scope="global")),

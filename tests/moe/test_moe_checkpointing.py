@@ -7,8 +7,8 @@ random routing draws (noisy gate + ``random`` second expert, LM and encoder-deco
 equal; the criterion sees one model call and one balance-loss entry per MoE layer, its
 token count being the non-padding tokens entering the MoE layers; the forward pass
 sends the same collectives, and the recomputation in backward sends only the two
-all-to-alls of each MoE layer (dispatch and combine, whose outputs backward needs), no
-count all-gather and no balance-loss all-reduce."""
+all-to-alls of each MoE layer (dispatch and combine, whose outputs backward needs), none
+with ``--moe-checkpoint-exchange keep``, and no count all-gather or balance-loss all-reduce."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
 
 WORLD = 2
-MOE_MODELS = ("moe_noise_random", "moe_sampling_global", "mt_moe_noise_random")
+MOE_MODELS = ("moe_noise_random", "moe_keep_exchange", "moe_sampling_global", "mt_moe_noise_random")
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +74,13 @@ def test_tensor_parallel_ranks_agree(results, model):
 @pytest.mark.parametrize("model", MOE_MODELS)
 def test_recompute_repeats_only_the_all_to_alls(results, model):
     """Per MoE layer and step at TP 1 on 2 ranks: forward 2 all-to-alls and 1 count
-    all-gather either way; backward 2 all-to-alls without checkpointing, 4 with it."""
+    all-gather either way; backward 2 all-to-alls without checkpointing, 4 with it (2 with
+    the all-to-all outputs kept)."""
+    recomputed = 0 if model == "moe_keep_exchange" else 2
     for res in results[1]:
         layers, off, on = res["moe_layers"], res[model]["off"], res[model]["on"]
         assert off["all_to_all_single"] == {"forward": 2 * layers, "backward": 2 * layers}
-        assert on["all_to_all_single"] == {"forward": 2 * layers, "backward": 4 * layers}
+        assert on["all_to_all_single"] == {"forward": 2 * layers, "backward": (2 + recomputed) * layers}
         assert off["all_gather"] == on["all_gather"] == {"forward": layers, "backward": 0}
         assert on["all_reduce"] == off["all_reduce"]  # global scope: the balance totals, forward only
         assert off["all_reduce"]["backward"] == 0

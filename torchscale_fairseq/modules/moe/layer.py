@@ -10,11 +10,16 @@ which the model passes up to the criterion.
 
 Under activation checkpointing the layer's forward runs twice, the second time in backward
 with the random generators replayed (so the router draws the same noise and second
-experts). A :class:`RecomputeMemo` handed to both runs keeps what the first learned from
+experts: the draws are repeated, not skipped, so that the dropout after them draws the same
+masks). A :class:`RecomputeMemo` handed to both runs keeps what the first learned from
 other ranks (the all-to-all count table, the global balance-loss counts) and its routing
-statistics, so the recomputation sends only the two all-to-alls, whose outputs (the
-experts' inputs, their returned outputs) backward needs, and checks that it routed as the
-first run did.
+statistics, and the recomputation checks that it routed as the first run did. The outputs
+of the two all-to-alls (the experts' inputs, saved by the experts for their weight
+gradients; the experts' outputs back home, saved for the gate gradient) are needed in
+backward: ``--moe-checkpoint-exchange repeat`` (default, as Megatron-core) sends the two
+all-to-alls again in the recomputation; ``keep`` keeps their outputs from the forward pass
+(``2 k N d`` more activations per MoE layer for ``N`` tokens of width ``d``) and the
+recomputation sends nothing.
 """
 
 from __future__ import annotations
@@ -56,12 +61,14 @@ class RecomputeMemo:
     """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
     recomputation in backward. ``counts``: rows per expert this rank dispatched; ``table``:
     every rank's counts (the all-gather); ``totals``: the balance loss's
-    :func:`~.balance.choice_totals`; ``stats``: the routing statistics."""
+    :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``exchanged``: the
+    outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
 
     counts: list[int] | None = None
     table: torch.Tensor | None = None
     totals: torch.Tensor | None = None
     stats: RoutingStats | None = None
+    exchanged: tuple[torch.Tensor, torch.Tensor] | None = None
     filled: bool = False
 
 
@@ -150,7 +157,8 @@ class MoELayer(nn.Module):
         wherever they live. Across ranks only real rows travel: rank ``r`` sends rank ``q``
         the rows of ``q``'s experts, receives them grouped by (sender, expert) and regroups
         them by (expert, sender) for the experts. With a filled ``memo`` (recomputation) the
-        count table is the first run's, and the routing must have given the same counts."""
+        count table is the first run's (and the all-to-all outputs, if kept), and the
+        routing must have given the same counts."""
         par = self.parallel
         if memo is not None and memo.filled:
             if counts.tolist() != memo.counts:
@@ -171,12 +179,22 @@ class MoELayer(nn.Module):
         send = (table[par.rank].sum(1) * dim).tolist()
         mine = table[:, par.rank]
         recv = (mine.sum(1) * dim).tolist()
-        arrived = exchange(rows, send, recv, par.group).view(-1, dim)
+        kept = memo.exchanged if memo is not None and memo.filled else None
+        if kept is not None:  # the forward's values, a leaf as the exchange's output would require grad
+            arrived = kept[0].detach().requires_grad_(rows.requires_grad)
+        else:
+            arrived = exchange(rows, send, recv, par.group).view(-1, dim)
         order = sender_to_expert_order(mine)
         out = self.experts(arrived.index_select(0, order), mine.sum(0).tolist())
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return exchange(out.index_select(0, inverse), recv, send, par.group).view(-1, dim)
+        outgoing = out.index_select(0, inverse)  # also recomputed: the same tensors are saved as in forward
+        if kept is not None:
+            return kept[1].detach().requires_grad_(outgoing.requires_grad)
+        back = exchange(outgoing, recv, send, par.group).view(-1, dim)
+        if memo is not None and self.cfg.checkpoint_exchange == "keep":
+            memo.exchanged = (arrived.detach(), back.detach())
+        return back
 
 
 def sender_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
