@@ -8,7 +8,8 @@ built with ``checkpoint_activations`` recomputes its activations in backward
 dropout draws the same masks, the router the same noise and second experts) when training
 without a decoding cache; an MoE FFN gets a
 :class:`~torchscale_fairseq.modules.moe.layer.RecomputeMemo` per call, so that its
-recomputation repeats no collective but its two all-to-alls and no routing statistics."""
+recomputation repeats no routing statistics and no collective but its two all-to-alls
+(none with ``--moe-checkpoint-exchange keep``)."""
 
 from __future__ import annotations
 
