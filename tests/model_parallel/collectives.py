@@ -2,7 +2,7 @@
 ``all_gather`` and ``all_to_all_single`` while active and records
 ``(collective, direction, numel)`` for each call, ``direction`` being ``backward`` inside an
 autograd backward pass (which includes what activation checkpointing recomputes there);
-``numel`` counts the tensor written (the output of ``all_to_all_single``)."""
+``numel`` counts the input."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
 
     def recorder(name: str):
         def call(first, *args, **kwargs):
-            tensor = args[0] if name == "all_gather" else first
+            tensor = first if name == "all_reduce" else args[0]
             direction = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
             log.append((name, direction, tensor.numel()))
             return originals[name](first, *args, **kwargs)
