@@ -1,8 +1,8 @@
 """A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
-``all_gather`` and the sequence-parallel ``all_gather_single`` / ``reduce_scatter_single``
-while active and records ``(collective, direction, numel)`` for
-each call (``numel`` of the input), ``direction`` being ``backward`` inside an autograd
-backward pass."""
+``all_gather``, ``all_to_all_single`` and the sequence-parallel ``all_gather_single`` /
+``reduce_scatter_single`` while active and records ``(collective, direction, numel)`` for
+each call, ``direction`` being ``backward`` inside an autograd backward pass (which
+includes what activation checkpointing recomputes there); ``numel`` counts the input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-RECORDED = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single")
+RECORDED = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ def test_expert_count_incompatible_with_world_size():
     ({"moe_freq": 0}, "--moe-freq 0 must be positive"),
     ({"moe_freq": -1}, "--moe-freq -1 must be positive"),
     ({"moe_expert_count": -2}, "negative"),
+    ({"moe_checkpoint_exchange": "twice"}, "--moe-checkpoint-exchange 'twice' is unknown: choose one of repeat, keep"),
 ])
 def test_flag_errors(kw, match):
     with pytest.raises(TsConfigError, match=match):

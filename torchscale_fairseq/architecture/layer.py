@@ -5,7 +5,11 @@ The forward returns the output and the MoE layer's
 :class:`~torchscale_fairseq.modules.moe.balance.MoEAux` (``None`` for a dense FFN). A layer
 built with ``checkpoint_activations`` recomputes its activations in backward
 (non-reentrant ``torch.utils.checkpoint``; the tensor-parallel RNG streams are replayed so
-dropout draws the same masks) when training without a decoding cache."""
+dropout draws the same masks, the router the same noise and second experts) when training
+without a decoding cache; an MoE FFN gets a
+:class:`~torchscale_fairseq.modules.moe.layer.RecomputeMemo` per call, so that its
+recomputation repeats no routing statistics and no collective but its two all-to-alls
+(none with ``--moe-checkpoint-exchange keep``)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
 from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
 from torchscale_fairseq.modules.moe.balance import MoEAux
-from torchscale_fairseq.modules.moe.layer import MoELayer
+from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
 from torchscale_fairseq.modules.multihead_attention import IncrementalState, MultiheadAttention
 
 
@@ -105,8 +109,9 @@ class TransformerLayer(nn.Module):
         offset: int = 0,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         if self.checkpoint_activations and self.training and incremental_state is None:
+            memo = RecomputeMemo() if isinstance(self.ffn, MoELayer) else None
             return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                              use_reentrant=False, context_fn=checkpoint_context)
+                              None, 0, memo, use_reentrant=False, context_fn=checkpoint_context)
         return self._forward(x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
                              incremental_state, offset)
 
@@ -120,6 +125,7 @@ class TransformerLayer(nn.Module):
         memory_padding_mask: Optional[torch.Tensor],
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
+        moe_memo: Optional[RecomputeMemo] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
             h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
@@ -134,7 +140,7 @@ class TransformerLayer(nn.Module):
         aux: list[MoEAux] = []
 
         def moe(h: torch.Tensor) -> torch.Tensor:
-            y, layer_aux = self.ffn(h, padding_mask, incremental_state is not None)
+            y, layer_aux = self.ffn(h, padding_mask, incremental_state is not None, moe_memo)
             aux.append(layer_aux)
             return y
 

@@ -10,7 +10,12 @@ from omegaconf import II
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
-from torchscale_fairseq.modules.moe.config import BALANCE_SCOPES, ROUTERS, SECOND_EXPERT_POLICIES
+from torchscale_fairseq.modules.moe.config import (
+    BALANCE_SCOPES,
+    CHECKPOINT_EXCHANGES,
+    ROUTERS,
+    SECOND_EXPERT_POLICIES,
+)
 
 MAX_SKIPPED_UPDATES = 10  # default of --max-skipped-updates (also for non-ts models under the plugin's trainer)
 
@@ -51,6 +56,13 @@ class TsMoEConfig(FairseqDataclass):
         metadata={"help": "balance loss per rank and micro-batch (local, as fairseq's MoE branch and TorchScale: "
                           "N ranks train as 1 rank with --update-freq N) or over the data-parallel group's "
                           "micro-batch (global: N ranks train as 1 rank with the N batches in one)"},
+    )
+    moe_checkpoint_exchange: ChoiceEnum(CHECKPOINT_EXCHANGES) = field(
+        default="repeat",
+        metadata={"help": "with --checkpoint-activations, an MoE layer's recomputation in backward repeats its "
+                          "2 all-to-alls (repeat, as Megatron-core; no extra memory) or reuses their outputs kept "
+                          "from the forward pass (keep: no all-to-all in the recomputation, 2 * k * tokens * "
+                          "embed-dim more activations per MoE layer)"},
     )
 
 

@@ -42,14 +42,24 @@ class MoEAux:
     data_parallel_group: object | None = None
 
 
-def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """``E * sum_e f_e p_e`` (see the module docstring): local with ``group=None``, global
-    (this rank's share) over ``group``."""
-    num_tokens, num_experts = probs.shape
+def choice_totals(first_expert: torch.Tensor, num_experts: int, group: object | None = None) -> torch.Tensor:
+    """``[c_1, ..., c_E, N]``: first-choice counts per expert and the token count, summed
+    over ``group`` (the global scope; ``None``: this rank's micro-batch)."""
     counts = torch.bincount(first_expert, minlength=num_experts).to(torch.float32)
-    totals = torch.cat([counts, counts.new_tensor([float(num_tokens)])])
+    totals = torch.cat([counts, counts.new_tensor([float(first_expert.numel())])])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
+    return totals
+
+
+def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object | None = None,
+                 totals: torch.Tensor | None = None) -> torch.Tensor:
+    """``E * sum_e f_e p_e`` (see the module docstring): local with ``group=None``, global
+    (this rank's share) over ``group``. ``totals``: the :func:`choice_totals` already
+    counted (an activation-checkpointing recomputation reuses its forward's)."""
+    num_experts = probs.size(1)
+    if totals is None:
+        totals = choice_totals(first_expert, num_experts, group)
     n = totals[-1].clamp(min=1.0)
     f = totals[:num_experts] / n
     return num_experts * (f * probs.float().sum(0)).sum() / n

@@ -10,6 +10,7 @@ from torchscale_fairseq.errors import TsConfigError
 ROUTERS = ("xmoe", "linear", "expert_choice")
 SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
+CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class MoEConfig:
     second_expert_policy: str = "random"
     normalize_gate_prob_before_dropping: bool = False
     balance_scope: str = "local"
+    checkpoint_exchange: str = "repeat"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -50,6 +52,7 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         second_expert_policy=str(getattr(args, "moe_second_expert_policy", "random")),
         normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
         balance_scope=str(getattr(args, "moe_balance_scope", "local")),
+        checkpoint_exchange=str(getattr(args, "moe_checkpoint_exchange", "repeat")),
     )
     check_moe_config(cfg)
     return cfg
@@ -74,6 +77,11 @@ def check_moe_config(cfg: MoEConfig) -> None:
     if cfg.balance_scope not in BALANCE_SCOPES:
         raise TsConfigError(
             f"--moe-balance-scope {cfg.balance_scope!r} is unknown: choose one of {', '.join(BALANCE_SCOPES)}"
+        )
+    if cfg.checkpoint_exchange not in CHECKPOINT_EXCHANGES:
+        raise TsConfigError(
+            f"--moe-checkpoint-exchange {cfg.checkpoint_exchange!r} is unknown: "
+            f"choose one of {', '.join(CHECKPOINT_EXCHANGES)}"
         )
     if cfg.router_dim <= 0:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")

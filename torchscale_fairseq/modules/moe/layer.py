@@ -7,10 +7,24 @@ their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back 
 get a zero output, so the residual carries them. The forward returns the output and
 an :class:`~.balance.MoEAux` (balance loss and routing statistics, see :mod:`.balance`),
 which the model passes up to the criterion.
+
+Under activation checkpointing the layer's forward runs twice, the second time in backward
+with the random generators replayed (so the router draws the same noise and second
+experts: the draws are repeated, not skipped, so that the dropout after them draws the same
+masks). A :class:`RecomputeMemo` handed to both runs keeps what the first learned from
+other ranks (the all-to-all count table, the global balance-loss counts) and its routing
+statistics, and the recomputation checks that it routed as the first run did. The outputs
+of the two all-to-alls (the experts' inputs, saved by the experts for their weight
+gradients; the experts' outputs back home, saved for the gate gradient) are needed in
+backward: ``--moe-checkpoint-exchange repeat`` (default, as Megatron-core) sends the two
+all-to-alls again in the recomputation; ``keep`` keeps their outputs from the forward pass
+(``2 k N d`` more activations per MoE layer for ``N`` tokens of width ``d``) and the
+recomputation sends nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -18,7 +32,7 @@ from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
-from torchscale_fairseq.modules.moe.balance import MoEAux, balance_loss, routing_stats
+from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats, balance_loss, choice_totals, routing_stats
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -40,6 +54,22 @@ def check_generation(models: Iterable[nn.Module]) -> None:
     for model in models:
         if any(isinstance(m, MoELayer) and m.cfg.router == "expert_choice" for m in model.modules()):
             raise TsConfigError(EXPERT_CHOICE_DECODING)
+
+
+@dataclass
+class RecomputeMemo:
+    """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
+    recomputation in backward. ``counts``: rows per expert this rank dispatched; ``table``:
+    every rank's counts (the all-gather); ``totals``: the balance loss's
+    :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``exchanged``: the
+    outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
+
+    counts: list[int] | None = None
+    table: torch.Tensor | None = None
+    totals: torch.Tensor | None = None
+    stats: RoutingStats | None = None
+    exchanged: tuple[torch.Tensor, torch.Tensor] | None = None
+    filled: bool = False
 
 
 class MoELayer(nn.Module):
@@ -83,7 +113,10 @@ class MoELayer(nn.Module):
                                     cfg.normalize_gate_prob_before_dropping, self.training)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                incremental: bool = False) -> tuple[torch.Tensor, MoEAux]:
+                incremental: bool = False, memo: RecomputeMemo | None = None) -> tuple[torch.Tensor, MoEAux]:
+        """``memo``: shared by the forward and the recomputation of one checkpointed call
+        (see the module docstring); ``None`` without checkpointing."""
+        replay = memo is not None and memo.filled
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         keep = None
@@ -97,41 +130,71 @@ class MoELayer(nn.Module):
         if self.cfg.router == "expert_choice":
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
-            loss = balance_loss(probs, routing.first_expert, group)
-        aux = MoEAux(self.tag, loss, routing_stats(probs, routing.requested, routing.routed, routing.dropped), group)
-        out = self.dispatch_combine(tokens, routing)
+            totals = memo.totals if replay else choice_totals(routing.first_expert, probs.size(1), group)
+            loss = balance_loss(probs, routing.first_expert, totals=totals)
+            if memo is not None:
+                memo.totals = totals
+        stats = memo.stats if replay else routing_stats(probs, routing.requested, routing.routed, routing.dropped)
+        aux = MoEAux(self.tag, loss, stats, group)
+        out = self.dispatch_combine(tokens, routing, memo)
+        if memo is not None:
+            memo.stats, memo.filled = stats, True
         if keep is not None:
             out = flat.new_zeros(flat.shape).index_copy(0, keep, out)
         return out.view(shape), aux
 
-    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert, run the experts, weight and add back."""
         expert, order = torch.sort(routing.expert, stable=True)
         token = routing.token[order]
         counts = torch.bincount(expert, minlength=self.cfg.expert_count)
-        out = self.run_experts(tokens.index_select(0, token), counts)
+        out = self.run_experts(tokens.index_select(0, token), counts, memo)
         weighted = out * routing.gate[order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """``rows`` grouped by expert (``counts[e]`` for expert ``e``) through the experts,
         wherever they live. Across ranks only real rows travel: rank ``r`` sends rank ``q``
         the rows of ``q``'s experts, receives them grouped by (sender, expert) and regroups
-        them by (expert, sender) for the experts."""
+        them by (expert, sender) for the experts. With a filled ``memo`` (recomputation) the
+        count table is the first run's (and the all-to-all outputs, if kept), and the
+        routing must have given the same counts."""
         par = self.parallel
+        if memo is not None and memo.filled:
+            if counts.tolist() != memo.counts:
+                raise RuntimeError(
+                    f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it "
+                    f"(rows per expert {counts.tolist()} instead of {memo.counts}): its routing must be a function "
+                    "of its input and the replayed random generators"
+                )
+            table = memo.table
+        else:
+            table = None if par.group is None else all_gather_counts(counts, par.group)
+            if memo is not None:
+                memo.counts, memo.table = counts.tolist(), table
         if par.group is None:
             return self.experts(rows, counts.tolist())
         dim = rows.size(1)
-        table = all_gather_counts(counts, par.group).view(par.world, par.world, par.local_experts)
+        table = table.view(par.world, par.world, par.local_experts)
         send = (table[par.rank].sum(1) * dim).tolist()
         mine = table[:, par.rank]
         recv = (mine.sum(1) * dim).tolist()
-        arrived = exchange(rows, send, recv, par.group).view(-1, dim)
+        kept = memo.exchanged if memo is not None and memo.filled else None
+        if kept is not None:  # the forward's values, a leaf as the exchange's output would require grad
+            arrived = kept[0].detach().requires_grad_(rows.requires_grad)
+        else:
+            arrived = exchange(rows, send, recv, par.group).view(-1, dim)
         order = sender_to_expert_order(mine)
         out = self.experts(arrived.index_select(0, order), mine.sum(0).tolist())
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return exchange(out.index_select(0, inverse), recv, send, par.group).view(-1, dim)
+        outgoing = out.index_select(0, inverse)  # also recomputed: the same tensors are saved as in forward
+        if kept is not None:
+            return kept[1].detach().requires_grad_(outgoing.requires_grad)
+        back = exchange(outgoing, recv, send, par.group).view(-1, dim)
+        if memo is not None and self.cfg.checkpoint_exchange == "keep":
+            memo.exchanged = (arrived.detach(), back.detach())
+        return back
 
 
 def sender_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
