@@ -183,7 +183,15 @@ class ParallelLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
             return F.layer_norm(x, (self.full_dim,), self.weight, self.bias, self.eps)
-        mean = all_reduce_sum(x.sum(-1, keepdim=True), self.tp_group) / self.full_dim
-        centered = x - mean
-        var = all_reduce_sum(centered.pow(2).sum(-1, keepdim=True), self.tp_group) / self.full_dim
-        return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        return sharded_normalize(x, self.full_dim, self.eps, self.tp_group) * self.weight + self.bias
+
+
+def sharded_normalize(x: torch.Tensor, full_dim: int, eps: float, tp_group: TensorParallelGroup) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over a last dimension of ``full_dim`` features split
+    across ``tp_group`` (LayerNorm without its affine): per-token sums all-reduced."""
+    if group_size(tp_group) == 1:
+        return F.layer_norm(x, (full_dim,), eps=eps)
+    mean = all_reduce_sum(x.sum(-1, keepdim=True), tp_group) / full_dim
+    centered = x - mean
+    var = all_reduce_sum(centered.pow(2).sum(-1, keepdim=True), tp_group) / full_dim
+    return centered * torch.rsqrt(var + eps)

@@ -10,7 +10,12 @@ from omegaconf import II
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
-from torchscale_fairseq.modules.moe.config import BALANCE_SCOPES, ROUTERS, SECOND_EXPERT_POLICIES
+from torchscale_fairseq.modules.moe.config import (
+    BALANCE_SCOPES,
+    EXPERT_TENSOR_PARALLEL,
+    ROUTERS,
+    SECOND_EXPERT_POLICIES,
+)
 
 MAX_SKIPPED_UPDATES = 10  # default of --max-skipped-updates (also for non-ts models under the plugin's trainer)
 
@@ -51,6 +56,11 @@ class TsMoEConfig(FairseqDataclass):
         metadata={"help": "balance loss per rank and micro-batch (local, as fairseq's MoE branch and TorchScale: "
                           "N ranks train as 1 rank with --update-freq N) or over the data-parallel group's "
                           "micro-batch (global: N ranks train as 1 rank with the N batches in one)"},
+    )
+    moe_expert_tensor_parallel: ChoiceEnum(EXPERT_TENSOR_PARALLEL) = field(
+        default="split",
+        metadata={"help": "under --model-parallel-size N: split every expert's FFN over the N tensor-parallel "
+                          "ranks as the dense FFN (expert memory per rank / N) or replicate whole experts on them"},
     )
 
 

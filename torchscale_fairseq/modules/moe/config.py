@@ -10,6 +10,7 @@ from torchscale_fairseq.errors import TsConfigError
 ROUTERS = ("xmoe", "linear", "expert_choice")
 SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
+EXPERT_TENSOR_PARALLEL = ("split", "replicate")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class MoEConfig:
     second_expert_policy: str = "random"
     normalize_gate_prob_before_dropping: bool = False
     balance_scope: str = "local"
+    expert_tensor_parallel: str = "split"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -50,6 +52,7 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         second_expert_policy=str(getattr(args, "moe_second_expert_policy", "random")),
         normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
         balance_scope=str(getattr(args, "moe_balance_scope", "local")),
+        expert_tensor_parallel=str(getattr(args, "moe_expert_tensor_parallel", "split")),
     )
     check_moe_config(cfg)
     return cfg
@@ -74,6 +77,11 @@ def check_moe_config(cfg: MoEConfig) -> None:
     if cfg.balance_scope not in BALANCE_SCOPES:
         raise TsConfigError(
             f"--moe-balance-scope {cfg.balance_scope!r} is unknown: choose one of {', '.join(BALANCE_SCOPES)}"
+        )
+    if cfg.expert_tensor_parallel not in EXPERT_TENSOR_PARALLEL:
+        raise TsConfigError(
+            f"--moe-expert-tensor-parallel {cfg.expert_tensor_parallel!r} is unknown: "
+            f"choose one of {', '.join(EXPERT_TENSOR_PARALLEL)}"
         )
     if cfg.router_dim <= 0:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")

@@ -1,0 +1,139 @@
+"""One rank of the split-experts layer check (run by ``test_mp_experts.py``).
+
+``python expert_worker.py RANK WORLD PORT OUT``: WORLD = 4 ranks, tensor-parallel size 2
+(TP groups {0, 1}, {2, 3}; data-parallel groups {0, 2}, {1, 3}), 4 experts spread over the
+2 data-parallel ranks. Every MoE layer (split and replicated experts, two configurations) is
+compared with the single-process layer built with the same seed, run on each data-parallel
+rank's batch with the same seed for the routing draws: output, input gradient, balance
+loss, router gradient, and each expert gradient (the sum over the data-parallel ranks'
+batches of the reference gradients, this rank's experts and tensor-parallel shard), and the
+expert part of the gradient norm. Rank 0 writes the maximum errors (relative to max(1, |reference|)) and the
+per-rank expert parameter counts as JSON to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, is_expert, sharded_dim
+from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
+from torchscale_fairseq.model_parallel.random import model_parallel_seed
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.groups import get_expert_parallel
+from torchscale_fairseq.modules.moe.layer import MoELayer
+from torchscale_fairseq.optim.grad_norm import squared_norm_parts
+
+TP, EXPERTS, B, T, D, FFN = 2, 4, 3, 6, 8, 16
+CONFIGS = {
+    # Magneto: Sub-LN affine per expert, X-MoE router, the `random` second-expert draw
+    "magneto": dict(cfg=MoEConfig(expert_count=EXPERTS, second_expert_policy="random"), activation="gelu",
+                    subln=True),
+    # fused SwiGLU fc1 (stride 2), noisy linear router, Gumbel `sampling`
+    "swiglu": dict(cfg=MoEConfig(expert_count=EXPERTS, router="linear", gate_noise=0.5,
+                                 second_expert_policy="sampling"), activation="swiglu", subln=False),
+}
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` relative to ``max(1, max |b|)`` (X-MoE's temperature gradient sums every token)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1.0))
+
+
+def build(spec: dict, parallel=None, tp_group=None) -> MoELayer:
+    torch.manual_seed(5)
+    return MoELayer(spec["cfg"], D, FFN, spec["activation"], subln=spec["subln"], parallel=parallel,
+                    tp_group=tp_group)
+
+
+def batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    x = torch.randn(B, T, D, generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[dp_rank, -2:] = True  # some padding
+    return x, mask, torch.randn(B, T, D, generator=g)
+
+
+def step(layer: MoELayer, dp_rank: int) -> dict:
+    x, mask, grad_out = batch(dp_rank)
+    x.requires_grad_()
+    torch.manual_seed(300 + dp_rank)  # the routing draws: one seed per data-parallel rank
+    layer.zero_grad()
+    y, aux = layer(x, mask)
+    ((y * grad_out).sum() + 0.5 * aux.balance_loss).backward()
+    return {"out": y.detach(), "grad_x": x.grad, "loss": aux.balance_loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
+
+
+def reference(spec: dict) -> dict:
+    """The single-process layer on each data-parallel rank's batch; expert gradients summed."""
+    dense = build(spec)
+    runs = [step(dense, r) for r in range(groups.get_data_parallel_world_size())]
+    expert_grads = {n: sum(run["grads"][n] for run in runs) for n, p in dense.named_parameters() if is_expert(p)}
+    return {"runs": runs, "expert_grads": expert_grads, "params": dict(dense.named_parameters())}
+
+
+def expected(p: torch.Tensor, full: torch.Tensor, first: int, local: int) -> torch.Tensor:
+    """This rank's experts of a stacked expert tensor, and its tensor-parallel shard."""
+    mine = full[first: first + local]
+    dim = sharded_dim(p)
+    if dim is None:
+        return mine
+    return shard_tensor(mine, dim, getattr(p, TP_STRIDE, 1), groups.get_tensor_parallel_rank(), TP)
+
+
+def check(spec: dict, mode: str, ref: dict) -> dict:
+    parallel = get_expert_parallel(EXPERTS)
+    tp_group = groups.get_tensor_parallel_group() if mode == "split" else None
+    layer = build(spec, parallel, tp_group)
+    dp_rank = groups.get_data_parallel_rank()
+    run = step(layer, dp_rank)
+    mine = ref["runs"][dp_rank]
+    errors = {"out": err(run["out"], mine["out"]), "grad_x": err(run["grad_x"], mine["grad_x"]),
+              "balance_loss": err(run["loss"], mine["loss"])}
+    first, local = parallel.first_expert, parallel.local_experts
+    weights = grads = router = 0.0
+    for name, p in layer.named_parameters():
+        if is_expert(p):
+            weights = max(weights, err(p.detach(), expected(p, ref["params"][name].detach(), first, local)))
+            grads = max(grads, err(p.grad, expected(p, ref["expert_grads"][name], first, local)))
+        else:
+            router = max(router, err(p.grad, mine["grads"][name]))
+    errors.update(expert_weights=weights, expert_grads=grads, router_grads=router)
+    _, expert_sq = squared_norm_parts(layer.parameters(), groups.get_tensor_parallel_group())
+    reference_sq = sum(float(g.double().pow(2).sum()) for g in ref["expert_grads"].values())
+    errors["expert_norm_rel"] = abs(float(expert_sq) - reference_sq) / reference_sq
+    recorded = layout(layer)
+    split_names = sorted(n for n, p in layer.named_parameters() if is_expert(p) and sharded_dim(p) is not None)
+    return {"errors": errors, "expert_params": sum(p.numel() for p in layer.parameters() if is_expert(p)),
+            "layout": {n: recorded[n]["dim"] for n in split_names}}
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups.initialize_model_parallel(TP)
+    model_parallel_seed(9, groups.get_tensor_parallel_rank(), TP)
+    results: dict = {}
+    for name, spec in CONFIGS.items():
+        ref = reference(spec)
+        for mode in ("split", "replicate"):
+            results[f"{name}/{mode}"] = check(spec, mode, ref)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, results)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": everyone, "world": world, "tp": TP, "experts": EXPERTS, "dim": D, "ffn": FFN}, f,
+                      indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
