@@ -7,7 +7,8 @@ compared with the single-process layer built with the same seed, run on each dat
 rank's batch with the same seed for the routing draws: output, input gradient, balance
 loss, router gradient, and each expert gradient (the sum over the data-parallel ranks'
 batches of the reference gradients, this rank's experts and tensor-parallel shard), and the
-expert part of the gradient norm. Rank 0 writes the maximum errors (relative to max(1, |reference|)) and the
+expert part of the gradient norm; and the one-line error of loading one mode's state into
+the other. Rank 0 writes the maximum errors (relative to max(1, |reference|)) and the
 per-rank expert parameter counts as JSON to ``OUT``.
 """
 
@@ -18,11 +19,15 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, is_expert, sharded_dim
+from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear
 from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
+from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.groups import get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -114,6 +119,25 @@ def check(spec: dict, mode: str, ref: dict) -> dict:
             "layout": {n: recorded[n]["dim"] for n in split_names}}
 
 
+def mismatch_messages(spec: dict) -> dict[str, str]:
+    """The one-line error of loading each mode's state into the other mode's model (a
+    tensor-parallel model: the MoE layer beside a column-parallel layer)."""
+    tp = groups.get_tensor_parallel_group()
+
+    def model(mode: str) -> nn.Module:
+        layer = build(spec, get_expert_parallel(EXPERTS), tp if mode == "split" else None)
+        return nn.ModuleDict({"moe": layer, "attn": ColumnParallelLinear(D, D, tp_group=tp)})
+
+    messages = {}
+    for mode, other in (("split", "replicate"), ("replicate", "split")):
+        try:
+            check_state_dict_shapes(model(mode), model(other).state_dict())
+            messages[mode] = ""
+        except TsConfigError as e:
+            messages[mode] = str(e)
+    return messages
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -125,6 +149,7 @@ def main() -> None:
         ref = reference(spec)
         for mode in ("split", "replicate"):
             results[f"{name}/{mode}"] = check(spec, mode, ref)
+    results["messages"] = mismatch_messages(CONFIGS["magneto"])
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
     if rank == 0:

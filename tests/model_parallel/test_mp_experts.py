@@ -3,7 +3,8 @@ over the 2 data-parallel ranks): every rank's MoE layer, with split and with rep
 experts, equals the single-process layer built from the same seed (forward, backward,
 balance loss, router and expert gradients, the expert part of the gradient norm: 1e-5);
 a split rank holds 1/2 of the expert parameters but the replicated ``fc2`` bias, and the
-checkpoint layout records the split dimensions."""
+checkpoint layout records the split dimensions; a state of one mode loaded into a model of
+the other is a one-line error naming the flag."""
 
 from __future__ import annotations
 
@@ -58,3 +59,10 @@ def test_layout_records_split_expert_dimensions(results):
             "experts.ln_bias": 1, "experts.ln_weight": 1,
         }
         assert per_rank["magneto/replicate"]["layout"] == {}
+
+
+@pytest.mark.parametrize("mode,saved", [("split", "replicate"), ("replicate", "split")])
+def test_loading_the_other_mode_is_one_line(results, mode, saved):
+    for per_rank in results["ranks"]:
+        message = per_rank["messages"][mode]
+        assert f"use --moe-expert-tensor-parallel {saved}" in message and "\n" not in message, message
