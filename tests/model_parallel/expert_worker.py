@@ -7,9 +7,10 @@ compared with the single-process layer built with the same seed, run on each dat
 rank's batch with the same seed for the routing draws: output, input gradient, balance
 loss, router gradient, and each expert gradient (the sum over the data-parallel ranks'
 batches of the reference gradients, this rank's experts and tensor-parallel shard), and the
-expert part of the gradient norm; and the one-line error of loading one mode's state into
-the other. Rank 0 writes the maximum errors (relative to max(1, |reference|)) and the
-per-rank expert parameter counts as JSON to ``OUT``.
+expert part of the gradient norm; also the one-line errors of loading one mode's state into
+the other and of an expert FFN width that 2 does not divide. Every rank's maximum errors
+(relative to ``max(1, |reference|)``), expert parameter counts and messages go to ``OUT``
+(JSON, written by rank 0).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.groups import get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import MoELayer
 from torchscale_fairseq.optim.grad_norm import squared_norm_parts
@@ -150,6 +152,11 @@ def main() -> None:
         for mode in ("split", "replicate"):
             results[f"{name}/{mode}"] = check(spec, mode, ref)
     results["messages"] = mismatch_messages(CONFIGS["magneto"])
+    try:
+        GroupedExperts(2, 0, D, FFN + 1, tp_group=groups.get_tensor_parallel_group())
+        results["odd_ffn"] = ""
+    except TsConfigError as e:
+        results["odd_ffn"] = str(e)
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
     if rank == 0:

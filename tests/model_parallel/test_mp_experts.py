@@ -4,7 +4,7 @@ experts, equals the single-process layer built from the same seed (forward, back
 balance loss, router and expert gradients, the expert part of the gradient norm: 1e-5);
 a split rank holds 1/2 of the expert parameters but the replicated ``fc2`` bias, and the
 checkpoint layout records the split dimensions; a state of one mode loaded into a model of
-the other is a one-line error naming the flag."""
+the other, or an expert FFN width the tensor-parallel size does not divide, is one line."""
 
 from __future__ import annotations
 
@@ -66,3 +66,8 @@ def test_loading_the_other_mode_is_one_line(results, mode, saved):
     for per_rank in results["ranks"]:
         message = per_rank["messages"][mode]
         assert f"use --moe-expert-tensor-parallel {saved}" in message and "\n" not in message, message
+
+
+def test_ffn_width_not_divisible_is_one_line(results):
+    message = results["ranks"][0]["odd_ffn"]
+    assert f"({results['ffn'] + 1}) is not divisible by --model-parallel-size 2" in message and "\n" not in message
