@@ -34,7 +34,7 @@ from torchscale_fairseq.modules.moe.config import MoEConfig  # noqa: E402
 from torchscale_fairseq.modules.moe.layer import MoELayer  # noqa: E402
 
 # (tokens, d, ffn, experts)
-SIZES = [(1024, 64, 256, 8), (2048, 256, 1024, 8), (2048, 512, 2048, 8), (4096, 512, 2048, 16)]
+SIZES = [(1024, 64, 256, 8), (1024, 128, 512, 8), (2048, 256, 1024, 8), (2048, 512, 2048, 8), (4096, 512, 2048, 16)]
 
 
 def step(layer: MoELayer, x: torch.Tensor) -> float:
