@@ -8,7 +8,8 @@ rank's batch with the same seed for the routing draws: output, input gradient, b
 loss, router gradient, and each expert gradient (the sum over the data-parallel ranks'
 batches of the reference gradients, this rank's experts and tensor-parallel shard), and the
 expert part of the gradient norm; also the one-line errors of loading one mode's state into
-the other and of an expert FFN width that 2 does not divide. Every rank's maximum errors
+the other and of an expert FFN width that 2 does not divide; and with activation dropout,
+which generator each mode draws from. Every rank's maximum errors
 (relative to ``max(1, |reference|)``), expert parameter counts and messages go to ``OUT``
 (JSON, written by rank 0).
 """
@@ -27,7 +28,7 @@ from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, is_expert, sharded_dim
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear
 from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
-from torchscale_fairseq.model_parallel.random import model_parallel_seed
+from torchscale_fairseq.model_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
@@ -140,6 +141,32 @@ def mismatch_messages(spec: dict) -> dict[str, str]:
     return messages
 
 
+def dropout_streams() -> dict[str, dict[str, bool]]:
+    """Activation dropout 0.3 in training: whether the default generator stays identical across
+    the tensor-parallel group, the output is identical on its ranks, and the tracker's
+    per-rank stream was drawn from (split: dropout on this rank's features; replicate: the
+    default generator, as on every rank)."""
+    tp = groups.get_tensor_parallel_group()
+    out = {}
+    for mode in ("split", "replicate"):
+        torch.manual_seed(5)
+        layer = MoELayer(CONFIGS["magneto"]["cfg"], D, FFN, "gelu", 0.3, subln=True,
+                         parallel=get_expert_parallel(EXPERTS), tp_group=tp if mode == "split" else None)
+        x, mask, grad_out = batch(groups.get_data_parallel_rank())
+        torch.manual_seed(400)
+        tracker_before = get_rng_tracker().state_dict()[MODEL_PARALLEL_RNG]["cpu"]
+        y, aux = layer(x, mask)
+        ((y * grad_out).sum() + aux.balance_loss).backward()
+        tracker_used = not torch.equal(tracker_before, get_rng_tracker().state_dict()[MODEL_PARALLEL_RNG]["cpu"])
+        mine = (torch.get_rng_state(), y.detach())
+        everyone = [None] * dist.get_world_size(tp)
+        dist.all_gather_object(everyone, mine, group=tp)
+        out[mode] = {"default_rng_in_sync": all(torch.equal(s, mine[0]) for s, _ in everyone),
+                     "same_output": all(torch.equal(o, mine[1]) for _, o in everyone),
+                     "tracker_used": tracker_used}
+    return out
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -152,6 +179,7 @@ def main() -> None:
         for mode in ("split", "replicate"):
             results[f"{name}/{mode}"] = check(spec, mode, ref)
     results["messages"] = mismatch_messages(CONFIGS["magneto"])
+    results["dropout"] = dropout_streams()
     try:
         GroupedExperts(2, 0, D, FFN + 1, tp_group=groups.get_tensor_parallel_group())
         results["odd_ffn"] = ""

@@ -71,3 +71,14 @@ def test_loading_the_other_mode_is_one_line(results, mode, saved):
 def test_ffn_width_not_divisible_is_one_line(results):
     message = results["ranks"][0]["odd_ffn"]
     assert f"({results['ffn'] + 1}) is not divisible by --model-parallel-size 2" in message and "\n" not in message
+
+
+def test_activation_dropout_keeps_the_tensor_parallel_ranks_in_step(results):
+    """Split: dropout on each rank's features draws from its own stream (Megatron's tracker),
+    the default generator stays identical on the TP ranks; replicate: the default generator,
+    the same on every TP rank. Either way the layer output is identical on the TP ranks."""
+    for per_rank in results["ranks"]:
+        assert per_rank["dropout"]["split"] == {"default_rng_in_sync": True, "same_output": True,
+                                                "tracker_used": True}
+        assert per_rank["dropout"]["replicate"] == {"default_rng_in_sync": True, "same_output": True,
+                                                    "tracker_used": False}
