@@ -2,7 +2,8 @@
 written by a real 4-process ``fairseq-train``): its files and records, and
 ``ts-consolidate-experts`` + ``ts-reshard --size 1`` in either order give one file whose
 single-process model reproduces the 4-process model's log-probabilities on a fixed batch
-(the independent reference, computed by the 4 ranks together). Checkpoints written
+(the independent reference, computed by the 4 ranks together); the experts are split over
+the tensor-parallel ranks (the default), so conversion also joins their shards. Checkpoints written
 before the record had expert fields convert the same way; bad inputs are one line."""
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def test_every_rank_writes_its_part_and_shard_with_its_layout(tp_ep_run):
         assert {key: record["expert_parallel"][key] for key in ("size", "rank", "experts")} == {
             "size": 2, "rank": r, "experts": 2}
         assert record["expert_parallel"]["tensors"] and all(".experts." in t for t in record["expert_parallel"]["tensors"])
+        # experts split over the tensor-parallel ranks (the default): their split tensors are in the layout
+        assert any(t in record["layout"] for t in record["expert_parallel"]["tensors"])
         # Megatron-LM's rank order: tensor-parallel groups are consecutive global ranks
         assert state["cfg"]["distributed_training"]["distributed_rank"] == 2 * r + k
         assert state["cfg"]["checkpoint"]["checkpoint_suffix"] == f"-model_part-{k}"

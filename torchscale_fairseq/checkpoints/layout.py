@@ -14,7 +14,9 @@ Record. Every file holds ``extra_state["ts_tensor_parallel"]`` (:func:`describe`
 
 ``layout`` says which tensors are split along which dimension with which stride and which
 dimension is a padded vocabulary (:mod:`torchscale_fairseq.model_parallel.partition`);
-expert tensors stack a rank's local experts along dimension 0 (:data:`EXPERT_DIM`).
+expert tensors stack a rank's local experts along dimension 0 (:data:`EXPERT_DIM`); experts
+split by tensor parallelism (``--moe-expert-tensor-parallel split``) are also in ``layout``,
+with their split dimension (> 0), so resharding and consolidation are independent.
 Checkpoints saved before ``expert_parallel`` and ``rank`` were recorded are read from
 their config (:func:`read_record`): the tensor-parallel size from
 ``cfg.common.model_parallel_size``, both ranks from the global rank and world size

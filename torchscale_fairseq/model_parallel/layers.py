@@ -210,7 +210,7 @@ def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp_group: TensorParal
 class _ShardedLayerNorm(torch.autograd.Function):
     """LayerNorm of a tensor whose features are split over ``group``: moments over all
     ``full_dim`` features (two all-reduces of ``b x s``), ``y = x_hat w + b`` with
-    ``x_hat = (x - mean) * rstd``. Saves ``x_hat`` and ``rstd``, as ``F.layer_norm`` saves
+    ``x_hat = (x - mean) * rstd`` (``x_hat`` alone without ``w``, ``b``). Saves ``x_hat`` and ``rstd``, as ``F.layer_norm`` saves
     its input and statistics. Backward, with ``g = dy w`` and means over ``full_dim``
     (two all-reduces): ``dx = rstd (g - mean(g) - x_hat mean(g x_hat))``."""
 
@@ -222,16 +222,18 @@ class _ShardedLayerNorm(torch.autograd.Function):
         rstd = torch.rsqrt(var + eps)
         x_hat = centered.mul_(rstd)
         ctx.save_for_backward(x_hat, rstd, weight)
-        ctx.full_dim, ctx.group = full_dim, group
-        return x_hat * weight + bias
+        ctx.full_dim, ctx.group, ctx.affine = full_dim, group, weight is not None
+        return x_hat * weight + bias if ctx.affine else x_hat.clone()
 
     @staticmethod
     def backward(ctx, dy):
         x_hat, rstd, weight = ctx.saved_tensors
-        g = dy * weight
+        g = dy * weight if ctx.affine else dy
         mean_g = sum_over_group(g.sum(-1, keepdim=True), ctx.group) / ctx.full_dim
         mean_gx = sum_over_group((g * x_hat).sum(-1, keepdim=True), ctx.group) / ctx.full_dim
         dx = (g - mean_g - x_hat * mean_gx) * rstd
+        if not ctx.affine:
+            return dx, None, None, None, None, None
         rows = tuple(range(dy.dim() - 1))
         return dx, (dy * x_hat).sum(rows), dy.sum(rows), None, None, None
 
@@ -254,3 +256,11 @@ class ParallelLayerNorm(nn.Module):
         if group_size(self.tp_group) == 1:
             return F.layer_norm(x, (self.full_dim,), self.weight, self.bias, self.eps)
         return _ShardedLayerNorm.apply(x, self.weight, self.bias, self.full_dim, self.eps, self.tp_group)
+
+
+def sharded_normalize(x: torch.Tensor, full_dim: int, eps: float, tp_group: TensorParallelGroup) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over a last dimension of ``full_dim`` features split
+    across ``tp_group`` (LayerNorm without its affine, :class:`_ShardedLayerNorm`)."""
+    if group_size(tp_group) == 1:
+        return F.layer_norm(x, (full_dim,), eps=eps)
+    return _ShardedLayerNorm.apply(x, None, None, full_dim, eps, tp_group)

@@ -13,6 +13,7 @@ from torchscale_fairseq.modules.feedforward import ACTIVATIONS
 from torchscale_fairseq.modules.moe.config import (
     BALANCE_SCOPES,
     CHECKPOINT_EXCHANGES,
+    EXPERT_TENSOR_PARALLEL,
     ROUTERS,
     SECOND_EXPERT_POLICIES,
 )
@@ -63,6 +64,11 @@ class TsMoEConfig(FairseqDataclass):
                           "2 all-to-alls (repeat, as Megatron-core; no extra memory) or reuses their outputs kept "
                           "from the forward pass (keep: no all-to-all in the recomputation, 2 * k * tokens * "
                           "embed-dim more activations per MoE layer)"},
+    )
+    moe_expert_tensor_parallel: ChoiceEnum(EXPERT_TENSOR_PARALLEL) = field(
+        default="split",
+        metadata={"help": "under --model-parallel-size N: split every expert's FFN over the N tensor-parallel "
+                          "ranks as the dense FFN (expert memory per rank / N) or replicate whole experts on them"},
     )
 
 

@@ -5,7 +5,9 @@
   identical on every tensor-parallel rank and counted once;
 - expert parameters are summed over their ``expert_group``, the ranks that hold
   *different* experts (``None``: all experts are local; attributes in
-  :mod:`torchscale_fairseq.model_parallel.attributes`);
+  :mod:`torchscale_fairseq.model_parallel.attributes`), and split experts' shards
+  (expert parameters with ``tensor_parallel_dim``) also over the tensor-parallel group;
+  whole experts are replicated on the tensor-parallel ranks and counted once;
 - the expert part may be down-weighted by ``kappa`` (SparseClip: ``1/sqrt(E)``):
   ``||g|| = ||(g_d, kappa * g_s)||_2``.
 
@@ -80,12 +82,12 @@ def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object
     """``(||g_d||^2, ||g_s||^2)`` over the whole model, every gradient counted once
     (shards of ``tensor_parallel_dim`` parameters summed over ``tp_group``)."""
     sharded, replicated = [], []
-    experts: Dict[Optional[object], list] = {}
+    experts: Dict[Tuple[Optional[object], bool], list] = {}
     for p in params:
         if p is None or p.grad is None:
             continue
         if is_expert(p):
-            experts.setdefault(expert_group(p), []).append(p.grad)
+            experts.setdefault((expert_group(p), sharded_dim(p) is not None), []).append(p.grad)
         elif sharded_dim(p) is not None:
             sharded.append(p.grad)
         else:
@@ -95,10 +97,12 @@ def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object
         dense_sharded = _all_reduce(dense_sharded, tp_group)
     dense = dense_sharded + _sq(replicated)
     expert = torch.zeros((), dtype=torch.float32)
-    for group, grads in experts.items():
+    for (group, split), grads in experts.items():
         part = _sq(grads)
         if group is not None:
             part = _all_reduce(part, group)
+        if split and group_size(tp_group) > 1:
+            part = _all_reduce(part, tp_group)
         expert = expert + part
     return dense, expert
 

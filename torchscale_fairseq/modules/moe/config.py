@@ -11,6 +11,7 @@ ROUTERS = ("xmoe", "linear", "expert_choice")
 SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
 CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py
+EXPERT_TENSOR_PARALLEL = ("split", "replicate")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class MoEConfig:
     normalize_gate_prob_before_dropping: bool = False
     balance_scope: str = "local"
     checkpoint_exchange: str = "repeat"
+    expert_tensor_parallel: str = "split"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -53,6 +55,7 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
         balance_scope=str(getattr(args, "moe_balance_scope", "local")),
         checkpoint_exchange=str(getattr(args, "moe_checkpoint_exchange", "repeat")),
+        expert_tensor_parallel=str(getattr(args, "moe_expert_tensor_parallel", "split")),
     )
     check_moe_config(cfg)
     return cfg
@@ -82,6 +85,11 @@ def check_moe_config(cfg: MoEConfig) -> None:
         raise TsConfigError(
             f"--moe-checkpoint-exchange {cfg.checkpoint_exchange!r} is unknown: "
             f"choose one of {', '.join(CHECKPOINT_EXCHANGES)}"
+        )
+    if cfg.expert_tensor_parallel not in EXPERT_TENSOR_PARALLEL:
+        raise TsConfigError(
+            f"--moe-expert-tensor-parallel {cfg.expert_tensor_parallel!r} is unknown: "
+            f"choose one of {', '.join(EXPERT_TENSOR_PARALLEL)}"
         )
     if cfg.router_dim <= 0:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")

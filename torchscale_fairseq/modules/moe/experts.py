@@ -19,15 +19,29 @@ it (its storage use count is back to 1), so the gradient still reaches ``.grad``
 autograd (hooks, accumulation and ``torch.autograd.grad`` behave as for any parameter)
 but the memory stays mapped.
 
+Under tensor parallelism (``tp_group`` of ``N`` ranks, ``--moe-expert-tensor-parallel split``)
+each expert is split as the dense FFN is (Megatron-LM section 3; Megatron-core's expert
+tensor parallelism): ``fc1`` by columns (``W1_e`` (d, f/N) per rank), the Sub-LN over the
+split ``f`` features (statistics all-reduced), ``fc2`` by rows; the partial products
+``h_r W2_e`` are all-reduced over ``tp_group`` (``g``) before the replicated bias ``b2_e`` is
+added once, so an expert's output rows are whole on every rank before they travel back and
+are combined (the gate gradient ``<dy_t, y_r>`` needs whole rows). The ``f`` (all-reduce of
+the input gradient) is the caller's, on the tokens before they are gathered into rows
+(:class:`~torchscale_fairseq.modules.moe.layer.MoELayer`). Split tensors carry
+``tensor_parallel_dim`` besides the expert marks. Activation dropout on the split
+activations draws from the tracker's per-rank stream, as the dense FFN does.
+
 Expert parameters are marked with
 :func:`~torchscale_fairseq.model_parallel.attributes.mark_expert` (their groups for the
 gradient norm and for gradient averaging). Each expert is initialised from its own
 generator seeded with ``base + global expert id`` (``base`` drawn from the global RNG),
-so an expert gets the same initial weights whatever the number of ranks.
+so an expert gets the same initial weights whatever the number of ranks (a split expert
+draws its full weights and keeps its shard).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,7 +49,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from torchscale_fairseq.model_parallel.attributes import mark_expert
+from torchscale_fairseq.model_parallel.attributes import mark_expert, mark_sharded
+from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, divide, sharded_normalize
+from torchscale_fairseq.model_parallel.mappings import reduce_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.partition import shard_tensor
+from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
+from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.feedforward import activate, check_activation
 
 
@@ -74,16 +93,19 @@ def _groups(counts: list[int]):
 
 class GroupedLinear(torch.autograd.Function):
     """``y_r = b_e + x_r W_e`` for the rows ``r`` of expert ``e``: ``x`` (N, d_in) grouped by
-    ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out)."""
+    ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out) or ``None`` (no bias)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counts: list[int],
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
                 buffers: GradBuffers, name: str) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.buffers, ctx.name = counts, buffers, name
         out = x.new_empty(x.size(0), weight.size(2))
         for e, lo, hi in _groups(counts):
-            torch.addmm(bias[e], x[lo:hi], weight[e], out=out[lo:hi])
+            if bias is None:
+                torch.mm(x[lo:hi], weight[e], out=out[lo:hi])
+            else:
+                torch.addmm(bias[e], x[lo:hi], weight[e], out=out[lo:hi])
         return out
 
     @staticmethod
@@ -133,6 +155,27 @@ class GroupedAffine(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class GroupedBias(torch.autograd.Function):
+    """``y_r = x_r + b_e`` for the rows ``r`` of expert ``e`` (the row-parallel bias, added once
+    after the all-reduce); backward ``dx = dy``, ``db_e = sum_r dy_r``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.counts, ctx.shape = counts, bias.shape
+        out = x.clone()
+        for e, lo, hi in _groups(counts):
+            out[lo:hi] += bias[e]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        db = grad.new_zeros(ctx.shape)
+        for e, lo, hi in _groups(ctx.counts):
+            torch.sum(grad[lo:hi], 0, out=db[e])
+        return grad, db, None
+
+
 class GroupedExperts(nn.Module):
     def __init__(
         self,
@@ -145,27 +188,43 @@ class GroupedExperts(nn.Module):
         subln: bool = False,
         gain: float = 1.0,
         layernorm_eps: float = 1e-5,
+        tp_group: TensorParallelGroup = None,
     ) -> None:
+        """``tp_group``: the tensor-parallel group each expert is split over (``None``: whole)."""
         super().__init__()
         check_activation(activation)
         self.activation = activation
         self.activation_dropout = activation_dropout
         self.layernorm_eps = layernorm_eps
+        self.ffn_dim = ffn_dim
+        self.tp_group = tp_group
+        n, rank = group_size(tp_group), group_rank(tp_group)
+        shard = divide(ffn_dim, n, "FFN dimension of the experts")
         parts = 2 if activation == "swiglu" else 1
-        self.fc1_weight = nn.Parameter(torch.empty(num_local, embed_dim, parts * ffn_dim))
-        self.fc1_bias = nn.Parameter(torch.zeros(num_local, parts * ffn_dim))
-        self.fc2_weight = nn.Parameter(torch.empty(num_local, ffn_dim, embed_dim))
+        self.fc1_weight = nn.Parameter(torch.empty(num_local, embed_dim, parts * shard))
+        self.fc1_bias = nn.Parameter(torch.zeros(num_local, parts * shard))
+        self.fc2_weight = nn.Parameter(torch.empty(num_local, shard, embed_dim))
         self.fc2_bias = nn.Parameter(torch.zeros(num_local, embed_dim))
-        self.ln_weight = nn.Parameter(torch.ones(num_local, ffn_dim)) if subln else None
-        self.ln_bias = nn.Parameter(torch.zeros(num_local, ffn_dim)) if subln else None
+        self.ln_weight = nn.Parameter(torch.ones(num_local, shard)) if subln else None
+        self.ln_bias = nn.Parameter(torch.zeros(num_local, shard)) if subln else None
         self.grad_buffers = GradBuffers()
         base = int(torch.randint(0, 2**31 - 1, ()).item())
         std1 = gain * math.sqrt(2.0 / (embed_dim + ffn_dim))
         with torch.no_grad():
             for i in range(num_local):
                 g = torch.Generator().manual_seed(base + first_expert + i)
-                self.fc1_weight[i].copy_(torch.randn(embed_dim, parts * ffn_dim, generator=g) * std1)
-                self.fc2_weight[i].copy_(torch.randn(ffn_dim, embed_dim, generator=g) * std1)
+                fc1 = torch.randn(embed_dim, parts * ffn_dim, generator=g) * std1
+                fc2 = torch.randn(ffn_dim, embed_dim, generator=g) * std1
+                self.fc1_weight[i].copy_(shard_tensor(fc1, 1, parts, rank, n))
+                self.fc2_weight[i].copy_(shard_tensor(fc2, 0, 1, rank, n))
+        if n > 1:
+            # split dimensions of the stacked (expert, ...) tensors; fc2_bias is replicated
+            mark_sharded(self.fc1_weight, 2, parts)
+            mark_sharded(self.fc1_bias, 1, parts)
+            mark_sharded(self.fc2_weight, 1)
+            for p in (self.ln_weight, self.ln_bias):
+                if p is not None:
+                    mark_sharded(p, 1)
 
     def set_groups(self, expert_group: object | None, replica_group: object | None) -> None:
         for p in self.parameters():
@@ -179,10 +238,16 @@ class GroupedExperts(nn.Module):
         h = GroupedLinear.apply(rows, self.fc1_weight.to(rows.dtype), self.fc1_bias.to(rows.dtype), counts,
                                 self.grad_buffers, "fc1")
         h = activate(h, self.activation)
+        split = group_size(self.tp_group) > 1
         if self.activation_dropout > 0 and self.training:
-            h = F.dropout(h, self.activation_dropout, training=True)
+            with get_rng_tracker().fork() if split else contextlib.nullcontext():
+                h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
-            h = F.layer_norm(h, h.shape[-1:], eps=self.layernorm_eps)
+            h = sharded_normalize(h, self.ffn_dim, self.layernorm_eps, self.tp_group)
             h = GroupedAffine.apply(h, self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype), counts)
-        return GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), counts,
-                                   self.grad_buffers, "fc2")
+        if not split:
+            return GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), counts,
+                                       self.grad_buffers, "fc2")
+        partial = GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), None, counts, self.grad_buffers, "fc2")
+        whole = reduce_from_tensor_parallel_region(partial, self.tp_group)
+        return GroupedBias.apply(whole, self.fc2_bias.to(h.dtype), counts)

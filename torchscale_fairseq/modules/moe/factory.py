@@ -1,5 +1,7 @@
 """Which FFN a layer gets: an :class:`MoELayer` in every ``moe_freq``-th layer of an MoE
-stack (paper: every second layer), ``None`` (the dense default) elsewhere."""
+stack (paper: every second layer), ``None`` (the dense default) elsewhere. Under tensor
+parallelism its experts are split over the stack's ``tp_group`` (``--moe-expert-tensor-parallel
+split``, the default) or whole on every tensor-parallel rank (``replicate``)."""
 
 from __future__ import annotations
 
@@ -17,5 +19,6 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
     if moe is None or not moe.is_moe_layer(index):
         return None
     b = cfg.backbone
+    tp_group = cfg.tp_group if moe.expert_tensor_parallel == "split" else None
     return MoELayer(moe, cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain,
-                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count))
+                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count), tp_group=tp_group)

@@ -1,5 +1,7 @@
-"""Expert-parallel layout over the data-parallel ranks (experts stay whole under tensor
-parallelism: the ranks of one tensor-parallel group hold the same experts).
+"""Expert-parallel layout over the data-parallel ranks. Under tensor parallelism each
+tensor-parallel rank has its own data-parallel group and the all-to-all runs inside it:
+the ranks of one tensor-parallel group hold the same experts, each its shard of every
+expert (``--moe-expert-tensor-parallel split``) or whole copies (``replicate``).
 
 With ``W`` data-parallel ranks and ``E`` experts:
 - ``E`` a multiple of ``W``: one all-to-all group of all ``W`` ranks, ``E / W`` experts

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.layers import TensorParallelGroup
+from torchscale_fairseq.model_parallel.mappings import copy_to_tensor_parallel_region
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats, balance_loss, choice_totals, routing_stats
 from torchscale_fairseq.modules.moe.config import MoEConfig
@@ -74,7 +76,9 @@ class RecomputeMemo:
 
 class MoELayer(nn.Module):
     """``parallel``: where the experts live (given by the model builder from
-    :func:`~torchscale_fairseq.modules.moe.groups.get_expert_parallel`); ``None``: all local."""
+    :func:`~torchscale_fairseq.modules.moe.groups.get_expert_parallel`); ``None``: all local.
+    ``tp_group``: the tensor-parallel group every expert is split over (``None``: whole
+    experts, replicated on the tensor-parallel ranks); the router is replicated either way."""
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class MoELayer(nn.Module):
         layernorm_eps: float = 1e-5,
         tag: str = "",
         parallel: ExpertParallel | None = None,
+        tp_group: TensorParallelGroup = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -96,7 +101,7 @@ class MoELayer(nn.Module):
         self.router = build_router(cfg.router, embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
         self.experts = GroupedExperts(
             self.parallel.local_experts, self.parallel.first_expert, embed_dim, ffn_dim, activation,
-            activation_dropout, subln, gain, layernorm_eps,
+            activation_dropout, subln, gain, layernorm_eps, tp_group,
         )
         self.experts.set_groups(self.parallel.group, self.parallel.replica_group)
 
@@ -148,7 +153,9 @@ class MoELayer(nn.Module):
         expert, order = torch.sort(routing.expert, stable=True)
         token = routing.token[order]
         counts = torch.bincount(expert, minlength=self.cfg.expert_count)
-        out = self.run_experts(tokens.index_select(0, token), counts, memo)
+        # split experts: f of the column-parallel fc1 on the (fewer) tokens rather than the rows
+        source = copy_to_tensor_parallel_region(tokens, self.experts.tp_group)
+        out = self.run_experts(source.index_select(0, token), counts, memo)
         weighted = out * routing.gate[order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
