@@ -57,6 +57,7 @@ from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
+from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class TsTrainer(Trainer):
         if cfg.common.model_parallel_size > 1 and not groups.model_parallel_is_initialized():
             raise multi_process_error(cfg.common.model_parallel_size)
         check_foreign_flags(cfg.optimizer)
+        check_zero_sharding(cfg, 1 if cfg.distributed_training.distributed_world_size == 1
+                            else groups.get_data_parallel_world_size())
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
@@ -159,8 +162,22 @@ class TsTrainer(Trainer):
     # optimizer, gradient norm, skipped updates ------------------------------------------
 
     def _build_optimizer(self) -> None:
-        super()._build_optimizer()
+        """fairseq's optimizer; with ``--zero-sharding os`` its state is sharded over the
+        data-parallel group by :mod:`torchscale_fairseq.optim.zero` (fairseq's own branch,
+        fairscale's ``OSS``, is kept out by hiding the flag from ``super()``), after the fp32
+        masters got their parameters' attributes: experts stay local, unsharded."""
+        sharding = self.cfg.distributed_training.zero_sharding
+        with open_dict(self.cfg):
+            self.cfg.distributed_training.zero_sharding = "none"
+        try:
+            super()._build_optimizer()
+        finally:
+            with open_dict(self.cfg):
+                self.cfg.distributed_training.zero_sharding = sharding
         carry_parallel_attributes(self._optimizer)
+        if sharding == "os":
+            shard_optimizer_state(self._optimizer, self.data_parallel_process_group, is_expert,
+                                  consolidate_to_all=self.is_expert_sharded)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         factor = _pending_factor(self.optimizer)
