@@ -173,3 +173,31 @@ def test_refused_before_any_work(common, size, message):
     with pytest.raises(TsConfigError, match=message):
         check_zero_sharding(_cfg(**common), size)
     check_zero_sharding(_cfg(**common, fp16_no_flatten_grads=True), 2)
+
+
+def test_load_keeps_the_saved_state_dtypes():
+    """``--memory-efficient-fp16``: fp16 parameters, fp32 Adam moments; torch's loader would
+    cast the moments to fp16 (fairseq's loader hack is turned off for the sharded state), ours
+    keeps them (one process: a group of one owns everything)."""
+    import torch.distributed as dist
+    from fairseq.optim.adam import Adam
+
+    from torchscale_fairseq.optim.zero import ShardedOptimizerState
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        param = torch.nn.Parameter(torch.randn(6).half())
+        param.grad = torch.randn(6).half()
+        saver = ShardedOptimizerState(Adam([param], lr=0.1), group)
+        saver.step()
+        saver.consolidate_state_dict()
+        saved = saver.state_dict()
+        assert saved["state"][0]["exp_avg"].dtype == torch.float32
+        loader = ShardedOptimizerState(Adam([param], lr=0.1), group)
+        loader.load_state_dict(saved)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert loader.state[param][key].dtype == torch.float32
+            assert torch.equal(loader.state[param][key], saved["state"][0][key])
+    finally:
+        dist.destroy_process_group()

@@ -17,6 +17,8 @@
   (:mod:`torchscale_fairseq.criterions.balance_check`);
 - expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
   out and their gradients are averaged over their replica groups;
+- ``--zero-sharding os`` shards the optimizer state over the data-parallel group
+  (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part; every checkpoint records the tensor-parallel layout and the
