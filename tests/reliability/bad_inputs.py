@@ -87,6 +87,8 @@ CASES += [
          "--criterion moe_cross_entropy", lambda c: _lm(c, "--moe-expert-count", "2")),
     Case("tensor-parallel size larger than the world", "flags", "--model-parallel-size 2", "--distributed-world-size",
          lambda c: _lm(c, "--model-parallel-size", "2")),
+    Case("sharded optimizer state on one process", "flags", "--zero-sharding os shards the optimizer state",
+         "drop --zero-sharding or train on more ranks", lambda c: _lm(c, "--zero-sharding", "os")),
     Case("consolidating shards of different runs", "checkpoint", "one of", "shards",
          lambda c: [tool("ts-consolidate-experts"), c["lm_ckpt"], c["lm_ckpt"], "-o", f"{c['save']}/merged.pt"]),
     Case("resharding a checkpoint that does not exist", "checkpoint", "no checkpoint", "check --input",

@@ -20,6 +20,7 @@ import torch
 
 
 def allowed_globals() -> List[object]:
+    from fairseq.distributed.utils import _TensorPlaceholder
     from omegaconf import DictConfig, ListConfig
     from omegaconf.base import ContainerMetadata, Metadata
     from omegaconf.nodes import AnyNode
@@ -27,6 +28,8 @@ def allowed_globals() -> List[object]:
     allowed: List[object] = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, np.dtype]
     # fairseq broadcasts the loaded state (its config as a DictConfig) from rank 0 through torch.load
     allowed += [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int]
+    # ... with its tensors sent apart, each replaced by an index (a frozen dataclass of one int)
+    allowed.append(_TensorPlaceholder)
     core = getattr(np, "_core", None) or np.core
     allowed.append(core.multiarray.scalar)
     for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):

@@ -19,6 +19,8 @@
   (:mod:`torchscale_fairseq.criterions.balance_check`);
 - expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
   out and their gradients are averaged over their replica groups;
+- ``--zero-sharding os`` shards the optimizer state over the data-parallel group
+  (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part; every checkpoint records the tensor-parallel layout and the
@@ -60,6 +62,7 @@ from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
+from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +108,8 @@ class TsTrainer(Trainer):
         if cfg.common.model_parallel_size > 1 and not groups.model_parallel_is_initialized():
             raise multi_process_error(cfg.common.model_parallel_size)
         check_foreign_flags(cfg.optimizer)
+        check_zero_sharding(cfg, 1 if cfg.distributed_training.distributed_world_size == 1
+                            else groups.get_data_parallel_world_size())
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
@@ -162,8 +167,22 @@ class TsTrainer(Trainer):
     # optimizer, gradient norm, skipped updates ------------------------------------------
 
     def _build_optimizer(self) -> None:
-        super()._build_optimizer()
+        """fairseq's optimizer; with ``--zero-sharding os`` its state is sharded over the
+        data-parallel group by :mod:`torchscale_fairseq.optim.zero` (fairseq's own branch,
+        fairscale's ``OSS``, is kept out by hiding the flag from ``super()``), after the fp32
+        masters got their parameters' attributes: experts stay local, unsharded."""
+        sharding = self.cfg.distributed_training.zero_sharding
+        with open_dict(self.cfg):
+            self.cfg.distributed_training.zero_sharding = "none"
+        try:
+            super()._build_optimizer()
+        finally:
+            with open_dict(self.cfg):
+                self.cfg.distributed_training.zero_sharding = sharding
         carry_parallel_attributes(self._optimizer)
+        if sharding == "os":
+            shard_optimizer_state(self._optimizer, self.data_parallel_process_group, is_expert,
+                                  consolidate_to_all=self.is_expert_sharded)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         # fairseq calls this once per update, after the data-parallel all-reduce

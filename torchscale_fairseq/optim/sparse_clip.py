@@ -158,6 +158,16 @@ class SparseClip(FairseqOptimizer):
         add_base_optimizer_flags(parser)
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.base.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replace the base's torch optimizer (``--zero-sharding os`` does)."""
+        self.base.optimizer = optimizer
+        self._optimizer = optimizer
+
+    @property
     def optimizer_config(self) -> dict:
         return self.base.optimizer_config
 
