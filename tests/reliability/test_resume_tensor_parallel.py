@@ -24,8 +24,15 @@ import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import BIN, USER_DIR, dist_flags, free_port, launch, run_fairseq
-from torchscale_fairseq.checkpoints.layout import read_record
+from tests.model_parallel.mp_helpers import (
+    BIN,
+    USER_DIR,
+    assert_replicated_across_parts,
+    dist_flags,
+    free_port,
+    launch,
+    run_fairseq,
+)
 
 STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
 
@@ -71,31 +78,13 @@ def _assert_resumed_exactly(ref_dir, run_dir, ref_log, resumed_log, from_update:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _assert_replicated_tensors_identical(save_dir: Path) -> None:
-    """Unsplit tensors (and their Adam moments) bitwise equal across the two parts, split ones not."""
-    parts = [torch.load(save_dir / f"checkpoint_last-model_part-{k}.pt", weights_only=True) for k in (0, 1)]
-    record = read_record(parts[0])
-    assert record.tp_size == 2 and record.tp_layout and record.params
-    models = [part["model"] for part in parts]
-    assert models[0].keys() == models[1].keys()
-    replicated = [key for key in models[0] if key not in record.tp_layout]
-    assert any("layer_norm" in key for key in replicated), replicated
-    assert any(key.endswith("out_proj.bias") for key in replicated), replicated
-    assert any(key.endswith("fc2.bias") for key in replicated), replicated
-    for key in models[0]:
-        same = torch.equal(models[0][key], models[1][key])
-        assert same == (key in replicated), f"{key}: {'split but identical' if same else 'replicated but differs'}"
-    moments = [part["last_optimizer_state"]["state"] for part in parts]
-    for index, name in enumerate(record.params):
-        if name in replicated:
-            for kind in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(moments[0][index][kind], moments[1][index][kind]), (name, kind)
-
-
 def test_tensor_parallel_sigkill_then_restart_is_exact(lm_data, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ARGS], 2, tmp_path / "ref_logs")
-    _assert_replicated_tensors_identical(ref_dir)
+    replicated = assert_replicated_across_parts([ref_dir / f"checkpoint_last-model_part-{k}.pt" for k in (0, 1)])
+    assert any("layer_norm" in key for key in replicated), replicated
+    assert any(key.endswith("out_proj.bias") for key in replicated), replicated
+    assert any(key.endswith("fc2.bias") for key in replicated), replicated
     _kill_after([str(lm_data), "--save-dir", str(run_dir), *ARGS], tmp_path / "killed_logs", update=6)
     assert sorted(p.name for p in run_dir.iterdir()) == [
         f"checkpoint_{n}-model_part-{k}.pt" for n in ("1_4", "last") for k in (0, 1)]
