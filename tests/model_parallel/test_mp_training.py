@@ -9,9 +9,10 @@
 - Magneto X-MoE ``ts_lm`` with SparseClip (4 experts over the 2 data-parallel ranks,
   ``local`` balance-loss scope) on 4 processes (TP = 2 x DP = 2): per-update loss, ``gnorm``,
   ``gnorm_dense``, ``gnorm_expert`` and balance loss equal 1 process with ``--update-freq 2``
-  and TP = 1 x DP = 2, and every replicated tensor (routers included) is bitwise equal in
-  the two tensor-parallel parts; the same for ``ts_transformer`` with
-  ``moe_label_smoothed_cross_entropy --report-accuracy`` against 1 process;
+  and TP = 1 x DP = 2 (``global`` scope: equals TP = 1 x DP = 2), and every replicated
+  tensor (routers included) is bitwise equal in the two tensor-parallel parts; the same
+  for ``ts_transformer`` with ``moe_label_smoothed_cross_entropy --report-accuracy``
+  against 1 process;
 - ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts (weights and Adam moments), and
   the size-1 checkpoint scores like the size-2 parts (``fairseq-eval-lm``);
 - ``fairseq-generate`` at size 2 equals size 1 on the resharded checkpoint;
@@ -78,17 +79,18 @@ def mlm_args(data: Path, save: Path, tp: int) -> list[str]:
 
 # X-MoE (Magneto's default backbone, xmoe router) with SparseClip; "all" keeps both experts
 # of every token, so routing draws nothing from the generator that update-freq would advance
-MOE = ["--moe-expert-count", "4", "--moe-freq", "2", "--moe-balance-scope", "local", "--moe-second-expert-policy",
-       "all", "--optimizer", "sparse_clip", "--sparse-clip-base", "adam", "--clip-norm", "0.5", "--disable-validation"]
+MOE = ["--moe-expert-count", "4", "--moe-freq", "2", "--moe-second-expert-policy", "all", "--optimizer", "sparse_clip",
+       "--sparse-clip-base", "adam", "--clip-norm", "0.5", "--disable-validation"]
 
 
-def moe_lm_args(data: Path, save: Path, tp: int, update_freq: int) -> list[str]:
-    return [*lm_args(data, save, tp, MOE_UPDATES, update_freq), *MOE, "--criterion", "moe_cross_entropy"]
+def moe_lm_args(data: Path, save: Path, tp: int, update_freq: int, scope: str = "local") -> list[str]:
+    return [*lm_args(data, save, tp, MOE_UPDATES, update_freq), *MOE, "--criterion", "moe_cross_entropy",
+            "--moe-balance-scope", scope]
 
 
 def moe_mt_args(data: Path, save: Path, tp: int, update_freq: int) -> list[str]:
     return [*mt_args(data, save, tp), "--max-update", str(MT_MOE_UPDATES), "--update-freq", str(update_freq), *MOE,
-            "--criterion", "moe_label_smoothed_cross_entropy"]
+            "--criterion", "moe_label_smoothed_cross_entropy", "--moe-balance-scope", "local"]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,8 @@ def runs(tmp_path_factory) -> dict:
         "moe1": (moe_lm_args(lm_bin, root / "moe1", 1, update_freq=2), 1),
         "moe_dp2": (moe_lm_args(lm_bin, root / "moe_dp2", 1, update_freq=1), 2),
         "moe_tp2dp2": (moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), 4),
+        "moe_dp2_global": (moe_lm_args(lm_bin, root / "moe_dp2_global", 1, update_freq=1, scope="global"), 2),
+        "moe_tp2dp2_global": (moe_lm_args(lm_bin, root / "moe_tp2dp2_global", 2, update_freq=1, scope="global"), 4),
         "mtmoe1": (moe_mt_args(mt_bin, root / "mtmoe1", 1, update_freq=2), 1),
         "mtmoe_tp2dp2": (moe_mt_args(mt_bin, root / "mtmoe_tp2dp2", 2, update_freq=1), 4),
     }
@@ -206,6 +210,17 @@ def test_moe_sparse_clip_tensor_times_data_parallel(runs, reference):
     records = train_records(logs["moe_tp2dp2"][0])
     assert all(float(r["gnorm_expert"]) > 0 for r in records)
     assert any(float(r["gnorm"]) > 0.5 for r in records), "SparseClip must clip at least once"
+
+
+def test_moe_global_balance_scope_tensor_times_data_parallel(runs):
+    """``--moe-balance-scope global`` (expert counts summed over the data-parallel group, not
+    over the tensor-parallel ranks holding the same tokens): TP = 2 x DP = 2 equals TP = 1 x DP = 2,
+    and differs from the local scope (so the comparison sees the scope at all)."""
+    logs = runs["logs"]
+    assert_same_trajectory(logs["moe_dp2_global"][0], logs["moe_tp2dp2_global"][0], keys=MOE_KEYS,
+                           updates=MOE_UPDATES)
+    first = [float(train_records(logs[name][0])[0]["moe_gate_loss"]) for name in ("moe_tp2dp2", "moe_tp2dp2_global")]
+    assert not relative_close(*first, 1e-4), first
 
 
 def test_moe_tensor_parallel_parts_share_replicated_tensors(runs):
