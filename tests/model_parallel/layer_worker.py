@@ -3,7 +3,9 @@
 ``python layer_worker.py RANK WORLD PORT OUT [DEVICE]``: every parallel layer at N = WORLD is
 compared, forward and backward, with its dense PyTorch counterpart built from the same
 full weights (the N = 1 build with the same seed); rank 0 writes the maximum absolute
-errors and the recorded collectives as JSON to ``OUT``. ``DEVICE`` ``cuda`` builds every
+errors and the recorded collectives as JSON to ``OUT``. It also records every dropout
+mask one training forward pass of a Magneto layer draws and whether each kind is the
+same on all tensor-parallel ranks (Megatron-LM's RNG tracker semantics). ``DEVICE`` ``cuda`` builds every
 tensor on the current GPU (collectives still over gloo, which takes CUDA tensors).
 """
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.model_parallel.collectives import record_collectives
 from torchscale_fairseq.architecture.config import StackConfig
@@ -36,6 +39,7 @@ from torchscale_fairseq.model_parallel.layers import (
     padded_vocab_size,
 )
 from torchscale_fairseq.model_parallel.partition import shard_tensor
+from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.modules.backbone import build_backbone
 
 B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
@@ -246,6 +250,61 @@ def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float
     }, list(log)
 
 
+class DropoutMasks(TorchDispatchMode):
+    """Records, in call order, every tensor ``bernoulli_`` fills: the dropout masks (``F.dropout``,
+    the fused residual ``dropout_add`` and SDPA's attention dropout all draw through it on CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.bernoulli_.float:
+            self.masks.append(out.detach().clone())
+        return out
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp()))]
+    dist.all_gather(parts, t.contiguous(), group=tp())
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def check_dropout_masks(world: int, seed: int = 5) -> dict[str, dict]:
+    """One training forward pass of a Magneto layer with residual, attention and activation
+    dropout 0.1, the same input and default-generator seed on every rank (as fairseq seeds
+    each update): per kind of mask (told apart by shape), how many were drawn and whether
+    each is identical on all tensor-parallel ranks. ``tracked``: the per-rank stream seeded
+    as ``--model-parallel-size`` seeds it; ``untracked``: the tracker reset (the control:
+    every mask comes from the default generator)."""
+    heads, ffn = HEADS // world, 48 // world
+    kinds = {(B, heads, T, T): "attention", (B, T, ffn): "activation", (B, T, D): "residual"}
+    cfg = StackConfig(
+        embed_dim=D, ffn_dim=48, layers=2, attention_heads=HEADS, backbone=build_backbone("magneto", "decoder_only", 0, 2),
+        max_positions=64, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, tp_group=tp(),
+    )
+    layer = seeded(30, lambda: TransformerLayer(cfg)).train()
+    x = randn(31, B, T, D)
+    out: dict[str, dict] = {}
+    for case in ("tracked", "untracked"):
+        model_parallel_seed(seed, groups.get_tensor_parallel_rank(), world)
+        if case == "untracked":
+            get_rng_tracker().reset()
+        torch.manual_seed(seed)
+        with DropoutMasks() as recorder:
+            layer(x, causal=True)
+        found: dict[str, dict] = {}
+        for mask in recorder.masks:
+            entry = found.setdefault(kinds.get(tuple(mask.shape), str(tuple(mask.shape))), {"count": 0, "same": []})
+            entry["count"] += 1
+            entry["same"].append(same_on_all_ranks(mask))
+        found["default_generator_after"] = {"count": 1, "same": [same_on_all_ranks(torch.rand(8))]}
+        out[case] = found
+    get_rng_tracker().reset()
+    return out
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_default_device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
@@ -273,6 +332,8 @@ def main() -> None:
         errors, log = check_sequence_parallel_layer(backbone, dense[f"sp_{backbone}"])
         results["errors"][f"sp_{backbone}"], results["collectives"][f"sp_{backbone}"] = errors, log
     results["sp_shape"] = [B, T_SP, D]
+    if torch.get_default_device().type == "cpu":  # masks drawn by bernoulli_ (CUDA kernels draw inside)
+        results["dropout_masks"] = check_dropout_masks(world)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -125,5 +125,32 @@ def make_corpora(root: Path) -> tuple[Path, Path]:
     return lm_bin, mt_bin
 
 
+def assert_replicated_across_parts(paths: Sequence[Path]) -> list[str]:
+    """The tensor-parallel parts ``paths`` (rank order, one expert shard) of one checkpoint:
+    every tensor the parameter-attribute registry does not mark as split (the layout the
+    checkpoint records from it) is bitwise equal in all parts, with its Adam moments, and
+    every split one differs. Returns the replicated names."""
+    import torch
+
+    from torchscale_fairseq.checkpoints.layout import read_record
+
+    parts = [torch.load(path, weights_only=True) for path in paths]
+    record = read_record(parts[0])
+    assert record.tp_size == len(parts) > 1 and record.tp_layout and record.params, paths[0]
+    models = [part["model"] for part in parts]
+    assert all(m.keys() == models[0].keys() for m in models)
+    replicated = [key for key in models[0] if key not in record.tp_layout]
+    for key in models[0]:
+        same = all(torch.equal(m[key], models[0][key]) for m in models[1:])
+        assert same == (key in replicated), f"{key}: {'split but identical' if same else 'replicated but differs'}"
+    moments = [part["last_optimizer_state"]["state"] for part in parts]
+    for index, name in enumerate(record.params):
+        if name in replicated:
+            for kind, value in moments[0][index].items():
+                if torch.is_tensor(value):
+                    assert all(torch.equal(m[index][kind], value) for m in moments[1:]), (name, kind)
+    return replicated
+
+
 def relative_close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)

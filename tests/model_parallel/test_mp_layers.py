@@ -79,3 +79,22 @@ def test_sequence_parallel_layer_gathers_and_reduce_scatters(results, backbone, 
         assert log.count(("reduce_scatter_single", direction, b * t * d)) == 2, log
         assert log.count(("all_reduce", direction, b * t)) == stats, log
     assert len(log) == 10 + 2 * stats, log
+
+
+def test_dropout_masks_differ_inside_the_parallel_region_only(results):
+    """Megatron-LM's RNG tracker: attention dropout on a rank's own heads and activation
+    dropout on its own FFN slice draw from a per-rank stream (different masks on the two
+    ranks), residual dropout from the default generator (the same mask on both, so the
+    replicated activations stay identical), and the default generator leaves the layer in
+    the same state on both ranks. Control: with the tracker reset every mask is shared,
+    so the difference comes from the tracker and not from the layer's inputs."""
+    masks = results["dropout_masks"]
+    tracked, untracked = masks["tracked"], masks["untracked"]
+    assert set(tracked) == set(untracked) == {"attention", "activation", "residual", "default_generator_after"}
+    assert {kind: entry["count"] for kind, entry in tracked.items()} == {
+        "attention": 1, "activation": 1, "residual": 2, "default_generator_after": 1}
+    assert tracked["attention"]["same"] == [False]
+    assert tracked["activation"]["same"] == [False]
+    assert tracked["residual"]["same"] == [True, True]
+    assert tracked["default_generator_after"]["same"] == [True]
+    assert all(all(entry["same"]) for entry in untracked.values()), untracked

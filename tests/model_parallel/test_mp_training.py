@@ -8,6 +8,14 @@
   bitwise identical in the two parts after 10 updates;
 - DP x TP = 2 x 2 on 4 processes equals the single process accumulating the same two
   batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
+- ``ts_mlm`` (``masked_lm``) at size 2 equals size 1;
+- Magneto X-MoE ``ts_lm`` with SparseClip (4 experts over the 2 data-parallel ranks,
+  ``local`` balance-loss scope) on 4 processes (TP = 2 x DP = 2): per-update loss, ``gnorm``,
+  ``gnorm_dense``, ``gnorm_expert`` and balance loss equal 1 process with ``--update-freq 2``
+  and TP = 1 x DP = 2 (``global`` scope: equals TP = 1 x DP = 2), and every replicated
+  tensor (routers included) is bitwise equal in the two tensor-parallel parts; the same
+  for ``ts_transformer`` with ``moe_label_smoothed_cross_entropy --report-accuracy``
+  against 1 process;
 - ``ts-reshard`` 2 -> 1 -> 2 gives back identical parts (weights and Adam moments), and
   the size-1 checkpoint scores like the size-2 parts (``fairseq-eval-lm``);
 - ``fairseq-generate`` at size 2 equals size 1 on the resharded checkpoint;
@@ -28,6 +36,7 @@ import torch
 from mp_helpers import (
     BIN,
     USER_DIR,
+    assert_replicated_across_parts,
     fairseq_ranks,
     launch,
     make_corpora,
@@ -41,6 +50,9 @@ from torchscale_fairseq.cli import reshard
 UPDATES = 20
 DP_TP_UPDATES = 8
 SP_DROPOUT_UPDATES = 10
+MLM_UPDATES = 10
+MOE_UPDATES = 8
+MT_MOE_UPDATES = 6  # 12 batches of --max-tokens 300: inside the first epoch
 REL = 1e-4
 COMMON = ["--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5", "--dropout", "0", "--log-format", "json",
           "--log-interval", "1", "--no-epoch-checkpoints", "--ddp-backend", "legacy_ddp", "--seed", "3"]
@@ -62,9 +74,33 @@ def mt_args(data: Path, save: Path, tp: int) -> list[str]:
             "--save-dir", str(save), "--model-parallel-size", str(tp), *COMMON]
 
 
+def mlm_args(data: Path, save: Path, tp: int) -> list[str]:
+    return [str(data), "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "ts_mlm_tiny", "--encoder-layers", "2",
+            "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128", "--encoder-attention-heads", "4",
+            "--tokens-per-sample", "32", "--sample-break-mode", "none", "--batch-size", "4", "--max-update",
+            str(MLM_UPDATES), "--save-dir", str(save), "--model-parallel-size", str(tp), "--disable-validation", *COMMON]
+
+
+# X-MoE (Magneto's default backbone, xmoe router) with SparseClip; "all" keeps both experts
+# of every token, so routing draws nothing from the generator that update-freq would advance
+MOE = ["--moe-expert-count", "4", "--moe-freq", "2", "--moe-second-expert-policy", "all", "--optimizer", "sparse_clip",
+       "--sparse-clip-base", "adam", "--clip-norm", "0.5", "--disable-validation"]
+
+
+def moe_lm_args(data: Path, save: Path, tp: int, update_freq: int, scope: str = "local") -> list[str]:
+    return [*lm_args(data, save, tp, MOE_UPDATES, update_freq), *MOE, "--criterion", "moe_cross_entropy",
+            "--moe-balance-scope", scope]
+
+
+def moe_mt_args(data: Path, save: Path, tp: int, update_freq: int) -> list[str]:
+    return [*mt_args(data, save, tp), "--max-update", str(MT_MOE_UPDATES), "--update-freq", str(update_freq), *MOE,
+            "--criterion", "moe_label_smoothed_cross_entropy", "--moe-balance-scope", "local"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Data, then every training run at once: LM and MT at N = 1 and 2, DP x TP."""
+    """Data, then every training run at once: LM, MT and MLM at N = 1 and 2, dense and X-MoE DP x TP
+    with their references."""
     root = tmp_path_factory.mktemp("tp")
     lm_bin, mt_bin = make_corpora(root)
     jobs = {
@@ -77,6 +113,15 @@ def runs(tmp_path_factory) -> dict:
         "mt2sp": ([*mt_args(mt_bin, root / "mt2sp", 2), "--sequence-parallel"], 2),
         "lm2sp_dropout": ([*lm_args(lm_bin, root / "lm2sp_dropout", 2, SP_DROPOUT_UPDATES), "--sequence-parallel",
                            "--dropout", "0.1", "--attention-dropout", "0.1"], 2),
+        "mlm1": (mlm_args(lm_bin, root / "mlm1", 1), 1),
+        "mlm2": (mlm_args(lm_bin, root / "mlm2", 2), 2),
+        "moe1": (moe_lm_args(lm_bin, root / "moe1", 1, update_freq=2), 1),
+        "moe_dp2": (moe_lm_args(lm_bin, root / "moe_dp2", 1, update_freq=1), 2),
+        "moe_tp2dp2": (moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), 4),
+        "moe_dp2_global": (moe_lm_args(lm_bin, root / "moe_dp2_global", 1, update_freq=1, scope="global"), 2),
+        "moe_tp2dp2_global": (moe_lm_args(lm_bin, root / "moe_tp2dp2_global", 2, update_freq=1, scope="global"), 4),
+        "mtmoe1": (moe_mt_args(mt_bin, root / "mtmoe1", 1, update_freq=2), 1),
+        "mtmoe_tp2dp2": (moe_mt_args(mt_bin, root / "mtmoe_tp2dp2", 2, update_freq=1), 4),
     }
     procs, logs = [], {}
     for name, (args, world) in jobs.items():
@@ -156,14 +201,11 @@ def test_sequence_parallel_transformer_equals_single_process(runs):
 def test_sequence_parallel_keeps_replicated_tensors_identical_with_dropout(runs):
     """Each rank draws its own dropout masks on its slice of the sequence, and the
     replicated parameters' gradients are summed over the group: after 10 updates every
-    replicated tensor (not in the record's split layout) is bitwise equal in both parts."""
-    parts = [torch.load(runs["root"] / "lm2sp_dropout" / f"checkpoint_last-model_part-{k}.pt", weights_only=True)
-             for k in (0, 1)]
-    split = parts[0]["extra_state"]["ts_tensor_parallel"]["layout"]
-    replicated = [name for name in parts[0]["model"] if name not in split]
+    replicated tensor (LayerNorms, row-parallel biases) and its Adam moments are bitwise
+    equal in both parts."""
+    replicated = assert_replicated_across_parts(
+        [runs["root"] / "lm2sp_dropout" / f"checkpoint_last-model_part-{k}.pt" for k in (0, 1)])
     assert any("layer_norm" in name for name in replicated) and any("out_proj.bias" in name for name in replicated)
-    for name in replicated:
-        assert torch.equal(parts[0]["model"][name], parts[1]["model"][name]), name
 
 
 def test_transformer_losses_and_gnorm_equal_single_process(runs):
@@ -176,6 +218,51 @@ def test_data_times_tensor_parallel_on_four_processes(runs):
                            updates=DP_TP_UPDATES)
     assert sorted(p.name for p in (runs["root"] / "dptp").glob("checkpoint_last*.pt")) == [
         "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
+
+
+def test_mlm_losses_and_gnorm_equal_single_process(runs):
+    assert_same_trajectory(runs["logs"]["mlm1"][0], runs["logs"]["mlm2"][0], keys=("loss", "gnorm"),
+                           updates=MLM_UPDATES)
+
+
+MOE_KEYS = ("loss", "gnorm", "gnorm_dense", "gnorm_expert", "moe_gate_loss")
+
+
+@pytest.mark.parametrize("reference", ["moe1", "moe_dp2"])
+def test_moe_sparse_clip_tensor_times_data_parallel(runs, reference):
+    """TP = 2 x DP = 2 (experts over the data-parallel ranks) against 1 process with
+    ``--update-freq 2`` and against TP = 1 x DP = 2."""
+    logs = runs["logs"]
+    assert_same_trajectory(logs[reference][0], logs["moe_tp2dp2"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
+    records = train_records(logs["moe_tp2dp2"][0])
+    assert all(float(r["gnorm_expert"]) > 0 for r in records)
+    assert any(float(r["gnorm"]) > 0.5 for r in records), "SparseClip must clip at least once"
+
+
+def test_moe_global_balance_scope_tensor_times_data_parallel(runs):
+    """``--moe-balance-scope global`` (expert counts summed over the data-parallel group, not
+    over the tensor-parallel ranks holding the same tokens): TP = 2 x DP = 2 equals TP = 1 x DP = 2,
+    and differs from the local scope (so the comparison sees the scope at all)."""
+    logs = runs["logs"]
+    assert_same_trajectory(logs["moe_dp2_global"][0], logs["moe_tp2dp2_global"][0], keys=MOE_KEYS,
+                           updates=MOE_UPDATES)
+    first = [float(train_records(logs[name][0])[0]["moe_gate_loss"]) for name in ("moe_tp2dp2", "moe_tp2dp2_global")]
+    assert not relative_close(*first, 1e-4), first
+
+
+def test_moe_tensor_parallel_parts_share_replicated_tensors(runs):
+    """Routers, LayerNorms, row-parallel biases: bitwise equal on both tensor-parallel ranks
+    of each data-parallel rank (each its own expert shard)."""
+    save = runs["root"] / "moe_tp2dp2"
+    for shard in (0, 1):
+        replicated = assert_replicated_across_parts(
+            [save / f"checkpoint_last-model_part-{k}-shard{shard}.pt" for k in (0, 1)])
+        assert any(".router." in key for key in replicated), replicated
+
+
+def test_moe_transformer_tensor_times_data_parallel_with_accuracy(runs):
+    assert_same_trajectory(runs["logs"]["mtmoe1"][0], runs["logs"]["mtmoe_tp2dp2"][0],
+                           keys=("loss", "nll_loss", "accuracy", *MOE_KEYS[1:]), updates=MT_MOE_UPDATES)
 
 
 def test_one_checkpoint_part_per_tensor_parallel_rank(runs):

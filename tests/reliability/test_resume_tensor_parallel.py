@@ -2,6 +2,12 @@
 the restart equal those of an uninterrupted N=2 run, the checkpoint parts bitwise. Dropout
 and attention dropout are on, so the tensor-parallel RNG tracker must come back too.
 
+The uninterrupted run also shows Megatron's replication invariant with dropout on: after
+its 12 updates every tensor the parameter-attribute registry does not mark as split
+(LayerNorms, row-parallel biases), with its Adam moments, is bitwise identical in the two
+ranks' parts, and every split one differs (the per-rank dropout streams of
+``model_parallel/random.py`` stay inside the parallel regions).
+
 A kill between the two ranks' writes of ``checkpoint_last`` leaves parts of different
 updates: the restart is refused in one line naming the newest complete checkpoint (ranks
 resuming from different updates would wait on each other forever), and resuming from it
@@ -18,7 +24,15 @@ import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import BIN, USER_DIR, dist_flags, free_port, launch, run_fairseq
+from tests.model_parallel.mp_helpers import (
+    BIN,
+    USER_DIR,
+    assert_replicated_across_parts,
+    dist_flags,
+    free_port,
+    launch,
+    run_fairseq,
+)
 
 STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
 
@@ -67,6 +81,10 @@ def _assert_resumed_exactly(ref_dir, run_dir, ref_log, resumed_log, from_update:
 def test_tensor_parallel_sigkill_then_restart_is_exact(lm_data, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ARGS], 2, tmp_path / "ref_logs")
+    replicated = assert_replicated_across_parts([ref_dir / f"checkpoint_last-model_part-{k}.pt" for k in (0, 1)])
+    assert any("layer_norm" in key for key in replicated), replicated
+    assert any(key.endswith("out_proj.bias") for key in replicated), replicated
+    assert any(key.endswith("fc2.bias") for key in replicated), replicated
     _kill_after([str(lm_data), "--save-dir", str(run_dir), *ARGS], tmp_path / "killed_logs", update=6)
     assert sorted(p.name for p in run_dir.iterdir()) == [
         f"checkpoint_{n}-model_part-{k}.pt" for n in ("1_4", "last") for k in (0, 1)]
