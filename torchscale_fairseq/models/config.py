@@ -7,6 +7,7 @@ from typing import Any, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
+from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
@@ -69,7 +70,12 @@ class TsCommonConfig(TsMoEConfig):
     rel_pos_buckets: int = field(default=0, metadata={"help": "T5 relative position bias buckets (0 = off)"})
     max_rel_pos: int = field(default=128, metadata={"help": "largest distance of the relative position buckets"})
     xpos: bool = field(default=False, metadata={"help": "xPos rotary positions in self-attention"})
-    checkpoint_activations: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    checkpoint_activations: ChoiceEnum(CHECKPOINT_ACTIVATIONS) = field(
+        default="none",
+        metadata={"help": "recompute activations in backward: full (the bare flag) whole layers, selective only "
+                          "the attention core (softmax, attention dropout, scores x values), none",
+                  "argparse_const": "full"},
+    )
     ts_compile: bool = field(
         default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
     )
