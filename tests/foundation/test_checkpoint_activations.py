@@ -156,3 +156,12 @@ def test_flash_kernel_never_saves_scores():
     scores = B * HEADS * T * T
     assert not any(t.numel() >= scores for t in none + selective)
     assert _nbytes(none) - _nbytes(selective) == 4 * B * HEADS * T * (D // HEADS + 1)
+
+
+@pytest.mark.parametrize("mode,flags", [("full", {}), ("selective", {"model_parallel_size": 2})])
+def test_compile_with_a_stream_replay_is_one_line(mode, flags):
+    """``torch.compile`` takes no custom ``context_fn`` in ``torch.utils.checkpoint``: full
+    recomputation always passes the tensor-parallel stream replay, selective only under TP
+    (without TP it passes none and compiles)."""
+    with pytest.raises(TsConfigError, match=f"--ts-compile cannot compile .* --checkpoint-activations {mode}"):
+        build("lm", ts_compile=True, checkpoint_activations=mode, **flags)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS
+from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS, checkpoint_mode
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
@@ -145,6 +145,17 @@ def validate_common(args: Any) -> None:
         )
     if getattr(args, "xpos", False) and getattr(args, "rel_pos_buckets", 0) > 0:
         raise TsConfigError("--xpos and --rel-pos-buckets are two relative position schemes: choose one")
+    # torch.compile takes no custom context_fn in torch.utils.checkpoint, and the tensor-parallel
+    # stream replay is one: full recomputation always passes it, selective only under TP
+    recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
+    if getattr(args, "ts_compile", False) and (
+        recompute == "full" or (recompute == "selective" and getattr(args, "model_parallel_size", 1) > 1)
+    ):
+        raise TsConfigError(
+            f"--ts-compile cannot compile the dropout-stream replay of --checkpoint-activations {recompute}"
+            f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
+            f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
+        )
 
 
 def check_positions(requested: int, maximum: int, requested_flag: str, maximum_flag: str) -> None:

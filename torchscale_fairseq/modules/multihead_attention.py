@@ -73,6 +73,20 @@ def attention_core(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
+def recompute_attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """:func:`attention_core` under non-reentrant ``torch.utils.checkpoint``: backward keeps
+    its inputs and runs it again. The tracker streams are replayed by ``checkpoint_context``
+    where there are any (tensor parallelism); without them the default ``context_fn`` is
+    left alone, the only one ``torch.compile`` (``--ts-compile``) accepts."""
+    if get_rng_tracker().states:
+        return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False,
+                          context_fn=checkpoint_context)
+    return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False)
+
+
 class MultiheadAttention(nn.Module):
     def __init__(
         self,
@@ -164,8 +178,7 @@ class MultiheadAttention(nn.Module):
         is_causal = causal and mask is None and t == s and t > 1
         dropout_p = self.dropout if self.training else 0.0
         if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
-            out = checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False,
-                             context_fn=checkpoint_context)
+            out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal)
         else:
             out = attention_core(q, k, v, mask, dropout_p, is_causal)
         out = out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
