@@ -1,7 +1,10 @@
 """Layer level, N = 2 on gloo: every parallel layer equals its dense PyTorch counterpart
 built from the same full weights (forward and backward, 1e-5 of the reference's scale), the vocabulary-parallel
 cross-entropy equals fairseq's label-smoothed loss on the full logits, and a layer makes
-exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3)."""
+exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3); selective
+recomputation of the attention core with attention dropout drawn from the tracker streams
+gives the gradients of no recomputation, keeps none of the rank's scores and adds no
+collective."""
 
 from __future__ import annotations
 
@@ -98,3 +101,14 @@ def test_dropout_masks_differ_inside_the_parallel_region_only(results):
     assert tracked["residual"]["same"] == [True, True]
     assert tracked["default_generator_after"]["same"] == [True]
     assert all(all(entry["same"]) for entry in untracked.values()), untracked
+
+
+def test_selective_recompute_equals_no_recompute(results):
+    """Bitwise: the recomputation replays the rank's tracker stream. Saved bytes drop by the
+    rank's ``B (h/N) T^2`` scores, three fp32 tensors on CPU (softmax output, dropout mask,
+    dropped scores; Korthikanti et al. 2022, section 5: ``5as^2b/t`` in 16-bit)."""
+    b, t, _ = results["shape"]
+    selective = results["selective"]
+    assert (selective["out"], selective["grad_x"], selective["grad_params"]) == (0.0, 0.0, 0.0), selective
+    assert selective["saved_bytes_less"] == (4 + 4 + 4) * b * (results["heads"] // 2) * t * t
+    assert selective["collectives_more"] == 0

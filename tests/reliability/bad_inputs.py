@@ -55,6 +55,8 @@ CASES = [
          lambda c: _eval_lm(c, "evil_ckpt")),
     Case("unknown backbone", "flags", "--backbone", "choose from", lambda c: _lm(c, "--backbone", "sandwich")),
     Case("unknown activation", "flags", "--activation-fn", "choose from", lambda c: _lm(c, "--activation-fn", "elu")),
+    Case("unknown checkpoint-activations mode", "flags", "--checkpoint-activations", "choose from",
+         lambda c: _lm(c, "--checkpoint-activations", "nope")),
     Case("embedding dim not divisible by heads", "flags", "not divisible by 8 attention heads",
          "multiple of --*-attention-heads", lambda c: _lm(c, "--decoder-embed-dim", "100",
                                                           "--decoder-attention-heads", "8")),

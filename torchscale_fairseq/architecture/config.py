@@ -15,6 +15,23 @@ from torchscale_fairseq.modules.feedforward import check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
 
 POSITIONS = ("learned", "sinusoidal", "none")
+CHECKPOINT_ACTIVATIONS = ("none", "full", "selective")  # --checkpoint-activations; the bare flag means full
+
+
+def checkpoint_mode(value: Any) -> str:
+    """``--checkpoint-activations`` as one of :data:`CHECKPOINT_ACTIVATIONS`: ``full``
+    recomputes whole layers, ``selective`` only the attention core (Korthikanti et al. 2022,
+    section 5). Checkpoints saved when the flag was a boolean carry ``True`` / ``False``
+    (= ``full`` / ``none``)."""
+    if value is None or isinstance(value, bool):
+        return "full" if value else "none"
+    mode = str(value)
+    if mode not in CHECKPOINT_ACTIVATIONS:
+        raise TsConfigError(
+            f"--checkpoint-activations {mode!r} is not a mode: choose one of {', '.join(CHECKPOINT_ACTIVATIONS)} "
+            "(the bare flag means full)"
+        )
+    return mode
 
 
 @dataclass
@@ -35,7 +52,8 @@ class StackConfig:
     rel_pos_buckets: int = 0
     max_rel_pos: int = 128
     xpos: bool = False
-    checkpoint_activations: bool = False
+    checkpoint_activations: bool = False  # recompute whole layers (--checkpoint-activations full)
+    selective_recompute: bool = False  # recompute only the attention core (--checkpoint-activations selective)
     compile_layers: bool = False
     layernorm_eps: float = 1e-5
     share_input_output_embed: bool = False
@@ -53,6 +71,7 @@ class StackConfig:
             max_positions = getattr(args, "max_source_positions", None) or args.max_positions
         else:
             max_positions = args.max_target_positions
+        recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
         activation = getattr(args, "activation_fn", "gelu")
         check_activation(activation)
         backbone = build_backbone(
@@ -75,7 +94,8 @@ class StackConfig:
             rel_pos_buckets=getattr(args, "rel_pos_buckets", 0),
             max_rel_pos=getattr(args, "max_rel_pos", 128),
             xpos=getattr(args, "xpos", False),
-            checkpoint_activations=getattr(args, "checkpoint_activations", False),
+            checkpoint_activations=recompute == "full",
+            selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),

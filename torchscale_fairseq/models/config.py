@@ -7,6 +7,7 @@ from typing import Any, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
+from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS, checkpoint_mode
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
@@ -87,7 +88,12 @@ class TsCommonConfig(TsMoEConfig):
     rel_pos_buckets: int = field(default=0, metadata={"help": "T5 relative position bias buckets (0 = off)"})
     max_rel_pos: int = field(default=128, metadata={"help": "largest distance of the relative position buckets"})
     xpos: bool = field(default=False, metadata={"help": "xPos rotary positions in self-attention"})
-    checkpoint_activations: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    checkpoint_activations: ChoiceEnum(CHECKPOINT_ACTIVATIONS) = field(
+        default="none",
+        metadata={"help": "recompute activations in backward: full (the bare flag) whole layers, selective only "
+                          "the attention core (softmax, attention dropout, scores x values), none",
+                  "argparse_const": "full"},
+    )
     ts_compile: bool = field(
         default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
     )
@@ -162,6 +168,17 @@ def validate_common(args: Any) -> None:
         )
     if getattr(args, "xpos", False) and getattr(args, "rel_pos_buckets", 0) > 0:
         raise TsConfigError("--xpos and --rel-pos-buckets are two relative position schemes: choose one")
+    # torch.compile takes no custom context_fn in torch.utils.checkpoint, and the tensor-parallel
+    # stream replay is one: full recomputation always passes it, selective only under TP
+    recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
+    if getattr(args, "ts_compile", False) and (
+        recompute == "full" or (recompute == "selective" and getattr(args, "model_parallel_size", 1) > 1)
+    ):
+        raise TsConfigError(
+            f"--ts-compile cannot compile the dropout-stream replay of --checkpoint-activations {recompute}"
+            f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
+            f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
+        )
 
 
 def check_positions(requested: int, maximum: int, requested_flag: str, maximum_flag: str) -> None:

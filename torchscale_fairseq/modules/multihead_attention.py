@@ -5,6 +5,15 @@ projection is column-parallel (stride 3 keeps each rank's heads whole) and the o
 projection row-parallel, one all-reduce forward and one backward (Megatron-LM, Fig. 3b).
 Magneto (Sub-LN) adds a LayerNorm on the concatenated heads before ``out_proj``.
 Keys/values are cached per module in ``incremental_state`` for decoding.
+
+Selective recomputation (``recompute_core``, ``--checkpoint-activations selective``;
+Korthikanti et al. 2022, section 5): only the attention core ``softmax(q k^T / sqrt(d) + mask)``,
+its dropout and the product with ``v`` run under a non-reentrant ``torch.utils.checkpoint``,
+so backward keeps ``q, k, v`` (and the mask) instead of the ``B*h*T*S`` scores, their
+dropout mask and the dropped scores (the paper's ``5as/h`` bytes per ``sbh`` in 16-bit). The
+recomputation replays the default generator (``torch.utils.checkpoint``) and the
+tensor-parallel tracker streams (:func:`~torchscale_fairseq.model_parallel.random.checkpoint_context`),
+so attention dropout draws the same mask twice and the gradients are those without recomputation.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.layers import (
@@ -25,7 +35,7 @@ from torchscale_fairseq.model_parallel.layers import (
     divide,
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
-from torchscale_fairseq.model_parallel.random import get_rng_tracker
+from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker
 from torchscale_fairseq.modules.xpos import XPos
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
@@ -43,6 +53,40 @@ def scaled_xavier_blocks(num_blocks: int, gain_of_block: Dict[int, float]):
     return init
 
 
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """``dropout(softmax(q k^T / sqrt(d) + mask)) v`` on ``scaled_dot_product_attention``, the
+    dropout drawn from the rank's tensor-parallel stream (its own heads).
+
+    Which tensors backward keeps depends on the kernel SDPA picks. The math kernel (here:
+    CPU with attention dropout) materialises the ``B*h*T*S`` scores and keeps the softmax
+    output, the dropout mask and the dropped scores: selective recomputation saves those.
+    Flash / memory-efficient kernels (CPU without dropout, CUDA) never store the scores, only
+    the output and the ``B*h*T`` log-sum-exp, so recomputing the core there saves just those
+    at the cost of one more core forward. Either way the recomputation runs the same kernel
+    on the same inputs with the same generator states (default one restored by
+    ``torch.utils.checkpoint``, tracker streams by ``checkpoint_context``), so the dropout
+    mask and the gradients equal those without recomputation."""
+    with get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def recompute_attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """:func:`attention_core` under non-reentrant ``torch.utils.checkpoint``: backward keeps
+    its inputs and runs it again. The tracker streams are replayed by ``checkpoint_context``
+    where there are any (tensor parallelism); without them the default ``context_fn`` is
+    left alone, the only one ``torch.compile`` (``--ts-compile``) accepts."""
+    if get_rng_tracker().states:
+        return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False,
+                          context_fn=checkpoint_context)
+    return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False)
+
+
 class MultiheadAttention(nn.Module):
     def __init__(
         self,
@@ -56,6 +100,7 @@ class MultiheadAttention(nn.Module):
         layernorm_eps: float = 1e-5,
         tp_group: TensorParallelGroup = None,
         sequence_parallel: bool = False,
+        recompute_core: bool = False,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -87,6 +132,7 @@ class MultiheadAttention(nn.Module):
                                           tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.xpos = XPos(self.head_dim) if xpos and self_attention else None
         self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
+        self.recompute_core = recompute_core
 
     def _heads(self, x: torch.Tensor, parts: int) -> Tuple[torch.Tensor, ...]:
         """``(B, T, parts * h * d)`` -> ``parts`` views ``(B, h, T, d)``. Unbinding the
@@ -133,8 +179,10 @@ class MultiheadAttention(nn.Module):
         mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device)
         is_causal = causal and mask is None and t == s and t > 1
         dropout_p = self.dropout if self.training else 0.0
-        with get_rng_tracker().fork():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
+            out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal)
+        else:
+            out = attention_core(q, k, v, mask, dropout_p, is_causal)
         out = out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
         if self.inner_attn_ln is not None:
             out = self.inner_attn_ln(out)
