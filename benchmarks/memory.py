@@ -22,13 +22,25 @@ with it. Adapted to this layer (same bookkeeping, term by term):
 - the attention core's softmax output, dropout mask and dropout output, ``3 A`` bytes per
   ``a s^2 b`` (``A`` = 4: fp32 in both dtypes on the CPU), divided by ``t``.
 
+With ``--checkpoint-activations selective`` the attention core keeps only its inputs, the
+fused Q/K/V storage (``3 B`` instead of ``q_core``), and no ``a s^2 b`` term.
+
 ``B`` is the activation width (4 fp32, 2 bf16), ``M`` the residual dropout mask width
 (this layer keeps the mask in the activation dtype: ``M = B``). With
 ``--sequence-parallel`` the replicated part is divided by ``t`` as well (each rank holds
-``s / t`` positions). With ``--checkpoint-activations`` a layer saves only its input
+``s / t`` positions). With ``--checkpoint-activations full`` a layer saves only its input
 (``B``, divided by ``t`` under sequence parallelism).
 
+Optimizer state (``--optimizer-state``): ``--zero-sharding os`` gives each parameter one
+owner rank (:func:`torchscale_fairseq.optim.zero.assign_owners`, largest first to the least
+loaded rank), which alone keeps its Adam moments (2 x 4 bytes per element); the table
+lists the moment bytes per data-parallel rank for the parameters of ``ts_lm_large``
+(vocabulary 50,257, shared input/output embedding, built on the meta device) next to the
+unsharded size / DP; the tests check on real runs that a rank's optimizer holds exactly the
+moments of the parameters it owns.
+
     .venv/bin/python benchmarks/memory.py [--tp 1 2 4] [--seq 2048] [--dtype float32 bfloat16]
+    .venv/bin/python benchmarks/memory.py --optimizer-state [--dp 2 4]
 
 Prints a markdown table (for RESULTS.md).
 """
@@ -58,18 +70,21 @@ def formula(s: int, b: int, t: int, dtype: str, magneto: bool, recompute: str, s
     sbh = s * b * HIDDEN
     if recompute == "full":
         return sbh * width / (t if sequence_parallel else 1)
+    selective = recompute == "selective"
     replicated = sbh * (4 * width + 2 * width)
-    sharded = sbh * (CORE_QKV[dtype] + width + 8 * width + (5 * width if magneto else 0))
-    scores = HEADS * s * s * b * CORE_SCORES
+    core_qkv = 3 * width if selective else CORE_QKV[dtype]
+    sharded = sbh * (core_qkv + width + 8 * width + (5 * width if magneto else 0))
+    scores = 0 if selective else HEADS * s * s * b * CORE_SCORES
     return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t
 
 
-def paper(s: int, b: int, t: int, sequence_parallel: bool) -> float:
-    """Korthikanti et al. 2022, eq. 2 (t = 1) and the tensor-parallel rows of table 2."""
+def paper(s: int, b: int, t: int, sequence_parallel: bool, selective: bool) -> float:
+    """Korthikanti et al. 2022, eq. 2 (t = 1) and the rows of table 2."""
     sbh = s * b * HIDDEN
+    scores = 0 if selective else 5 * HEADS * s / HIDDEN
     if sequence_parallel:
-        return sbh / t * (34 + 5 * HEADS * s / HIDDEN)
-    return sbh * (10 + 24 / t + 5 * HEADS * s / (HIDDEN * t))
+        return sbh / t * (34 + scores)
+    return sbh * (10 + 24 / t + scores / t)
 
 
 def saved_bytes(layer, x) -> int:
@@ -108,7 +123,8 @@ def worker(args: argparse.Namespace) -> None:
     for backbone, recompute, sequence_parallel in configurations(args.world):
         cfg = StackConfig(embed_dim=HIDDEN, ffn_dim=FFN, layers=12, attention_heads=HEADS,
                           backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=args.seq,
-                          dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute != "none",
+                          dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute == "full",
+                          selective_recompute=recompute == "selective",
                           tp_group=get_tensor_parallel_group(), sequence_parallel=sequence_parallel)
         torch.manual_seed(0)
         layer = TransformerLayer(cfg).to(getattr(torch, args.dtype)).train()
@@ -124,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def configurations(t: int) -> list[tuple[str, str, bool]]:
     """(backbone, recompute, sequence parallel) measured at tensor-parallel size ``t``."""
-    return [(backbone, recompute, sp) for backbone in ("magneto", "preln") for recompute in ("none", "full")
+    return [(backbone, recompute, sp) for backbone in ("magneto", "preln") for recompute in ("none", "selective", "full")
             for sp in ((False, True) if t > 1 else (False,))]
 
 
@@ -142,12 +158,56 @@ def measure(t: int, seq: int, batch: int, dtype: str) -> list[dict]:
         return json.loads(out.read_text())
 
 
+def large_lm_parameter_sizes(vocab: int = 50257) -> list[int]:
+    """Element counts of ``ts_lm_large``'s parameters (the shared embedding counted once)."""
+    import torch
+    from fairseq.data import Dictionary
+    from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+    from torchscale_fairseq.models import lm
+
+    args = argparse.Namespace(tokens_per_sample=2048, share_decoder_input_output_embed=True)
+    lm.ts_lm_large(args)  # layers, width, heads, FFN of the registered architecture
+    parser = argparse.ArgumentParser()
+    gen_parser_from_dataclass(parser, lm.TsAdaptiveLanguageModelConfig())
+    for key, value in vars(parser.parse_args([])).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    dictionary = Dictionary()
+    for i in range(vocab - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+
+    class Task:
+        source_dictionary = target_dictionary = dictionary
+
+    with torch.device("meta"):
+        model = lm.TsLanguageModel.build_model(args, Task)
+    return [p.numel() for p in model.parameters()]
+
+
+def optimizer_state_table(dp_sizes: list[int]) -> None:
+    from torchscale_fairseq.optim.zero import assign_owners
+
+    numels = large_lm_parameter_sizes()
+    total, largest = sum(numels), max(numels)
+    print(f"ts_lm_large, {total:,} parameters (largest {largest:,}); Adam moments, fp32, bytes per rank\n")
+    print("| DP | unsharded | unsharded / DP | largest rank | smallest rank | largest / (unsharded / DP) |")
+    print("|---|---|---|---|---|---|")
+    for dp in dp_sizes:
+        owners = assign_owners(numels, dp, [False] * len(numels))
+        per_rank = [8 * sum(n for n, o in zip(numels, owners) if o == r) for r in range(dp)]
+        print(f"| {dp} | {8 * total:,} | {8 * total // dp:,} | {max(per_rank):,} | {min(per_rank):,} | "
+              f"{max(per_rank) / (8 * total / dp):.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(WIDTH))
+    parser.add_argument("--optimizer-state", action="store_true")
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int)
     parser.add_argument("--port", type=int)
@@ -156,6 +216,9 @@ def main() -> None:
     if args.rank is not None:
         args.dtype = args.dtype[0]
         worker(args)
+        return
+    if args.optimizer_state:
+        optimizer_state_table(args.dp)
         return
     s, b = args.seq, args.batch
     sbh = s * b * HIDDEN
@@ -173,7 +236,7 @@ def main() -> None:
                     continue
                 got = results[t][(backbone, recompute, sp)]
                 want = formula(s, b, t, dtype, backbone == "magneto", recompute, sp)
-                shown = paper(s, b, t, sp) / sbh if recompute == "none" else "-"
+                shown = paper(s, b, t, sp, recompute == "selective") / sbh if recompute != "full" else "-"
                 print(f"| {backbone} | {dtype} | {t} | {'yes' if sp else 'no'} | {recompute} | {got / sbh:.1f} | "
                       f"{want / sbh:.1f} | {got / want:.3f} | {got / base:.3f} | "
                       f"{shown if isinstance(shown, str) else f'{shown:.1f}'} |")
