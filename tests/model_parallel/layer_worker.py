@@ -305,14 +305,18 @@ def check_dropout_masks(world: int, seed: int = 5) -> dict[str, dict]:
     return out
 
 
-def _recompute_run(selective: bool, streams: dict) -> tuple:
-    """One forward and backward of the parallel layer from the tracker ``streams`` and seed 32."""
+def _recompute_run(selective: bool, streams: dict, sequence_parallel: bool) -> tuple:
+    """One forward and backward of the parallel layer from the tracker ``streams`` and seed 32
+    (with sequence parallelism on this rank's slice of a ``T_SP``-long sequence)."""
     get_rng_tracker().load_state_dict(streams)
     cfg = StackConfig(embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
                       backbone=build_backbone("magneto", "decoder_only", 0, 2), max_positions=64, dropout=0.1,
-                      attention_dropout=0.3, selective_recompute=selective, tp_group=tp())
+                      attention_dropout=0.3, selective_recompute=selective, tp_group=tp(),
+                      sequence_parallel=sequence_parallel)
     layer = seeded(30, lambda: TransformerLayer(cfg))
-    x = randn(31, B, T, D).requires_grad_()
+    t = T_SP if sequence_parallel else T
+    x = randn(31, B, t, D)
+    x = (sequence_slice(x) if sequence_parallel else x).requires_grad_()
     saved: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -323,19 +327,19 @@ def _recompute_run(selective: bool, streams: dict) -> tuple:
     with record_collectives() as log:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, _ = layer(x, causal=True)
-        y.backward(randn(33, B, T, D))
+        y.backward(torch.ones_like(y) + randn(33, *y.shape))
     return y.detach(), x.grad, dict(layer.named_parameters()), sum(saved), len(list(log))
 
 
-def check_selective_recompute(rank: int, world: int) -> dict[str, float]:
+def check_selective_recompute(rank: int, world: int, sequence_parallel: bool) -> dict[str, float]:
     """The parallel layer with dropout and attention dropout on (attention dropout drawn from
     the rank's tracker stream), with and without selective recomputation from the same
     generator states: largest differences (0 = bitwise equal), bytes saved for backward
     less with it, and collectives more with it (the core has none)."""
     model_parallel_seed(1234, rank, world)
     streams = get_rng_tracker().state_dict()
-    y0, gx0, p0, bytes0, comm0 = _recompute_run(False, streams)
-    y1, gx1, p1, bytes1, comm1 = _recompute_run(True, streams)
+    y0, gx0, p0, bytes0, comm0 = _recompute_run(False, streams, sequence_parallel)
+    y1, gx1, p1, bytes1, comm1 = _recompute_run(True, streams, sequence_parallel)
     get_rng_tracker().reset()
     return {
         "out": err(y1, y0),
@@ -375,7 +379,9 @@ def main() -> None:
     results["sp_shape"] = [B, T_SP, D]
     if torch.get_default_device().type == "cpu":  # masks drawn by bernoulli_ (CUDA kernels draw inside)
         results["dropout_masks"] = check_dropout_masks(world)
-    results["selective"], results["heads"] = check_selective_recompute(rank, world), HEADS
+    results["heads"] = HEADS
+    results["selective"] = check_selective_recompute(rank, world, sequence_parallel=False)
+    results["selective_sp"] = check_selective_recompute(rank, world, sequence_parallel=True)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

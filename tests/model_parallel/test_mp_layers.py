@@ -103,12 +103,14 @@ def test_dropout_masks_differ_inside_the_parallel_region_only(results):
     assert all(all(entry["same"]) for entry in untracked.values()), untracked
 
 
-def test_selective_recompute_equals_no_recompute(results):
+@pytest.mark.parametrize("key,shape", [("selective", "shape"), ("selective_sp", "sp_shape")], ids=["tp", "tp+sp"])
+def test_selective_recompute_equals_no_recompute(results, key, shape):
     """Bitwise: the recomputation replays the rank's tracker stream. Saved bytes drop by the
     rank's ``B (h/N) T^2`` scores, three fp32 tensors on CPU (softmax output, dropout mask,
-    dropped scores; Korthikanti et al. 2022, section 5: ``5as^2b/t`` in 16-bit)."""
-    b, t, _ = results["shape"]
-    selective = results["selective"]
+    dropped scores; Korthikanti et al. 2022, section 5: ``5as^2b/t`` in 16-bit), with
+    sequence parallelism too (the core sees the whole sequence)."""
+    b, t, _ = results[shape]
+    selective = results[key]
     assert (selective["out"], selective["grad_x"], selective["grad_params"]) == (0.0, 0.0, 0.0), selective
     assert selective["saved_bytes_less"] == (4 + 4 + 4) * b * (results["heads"] // 2) * t * t
     assert selective["collectives_more"] == 0

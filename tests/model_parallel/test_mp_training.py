@@ -6,7 +6,8 @@
 - the same two at ``--model-parallel-size 2 --sequence-parallel`` (translation batches of
   odd lengths are padded to the group size); with dropout on, every replicated tensor is
   bitwise identical in the two parts after 10 updates;
-- DP x TP = 2 x 2 on 4 processes equals the single process accumulating the same two
+- DP x TP = 2 x 2 on 4 processes (the X-MoE run also with ``--checkpoint-activations``)
+  equals the single process accumulating the same two
   batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
 - ``ts_mlm`` (``masked_lm``) at size 2 equals size 1;
 - Magneto X-MoE ``ts_lm`` with SparseClip (4 experts over the 2 data-parallel ranks,
@@ -118,6 +119,8 @@ def runs(tmp_path_factory) -> dict:
         "moe1": (moe_lm_args(lm_bin, root / "moe1", 1, update_freq=2), 1),
         "moe_dp2": (moe_lm_args(lm_bin, root / "moe_dp2", 1, update_freq=1), 2),
         "moe_tp2dp2": (moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), 4),
+        "moe_tp2dp2_recompute": ([*moe_lm_args(lm_bin, root / "moe_tp2dp2_recompute", 2, update_freq=1),
+                                  "--checkpoint-activations"], 4),
         "moe_dp2_global": (moe_lm_args(lm_bin, root / "moe_dp2_global", 1, update_freq=1, scope="global"), 2),
         "moe_tp2dp2_global": (moe_lm_args(lm_bin, root / "moe_tp2dp2_global", 2, update_freq=1, scope="global"), 4),
         "mtmoe1": (moe_mt_args(mt_bin, root / "mtmoe1", 1, update_freq=2), 1),
@@ -237,6 +240,14 @@ def test_moe_sparse_clip_tensor_times_data_parallel(runs, reference):
     records = train_records(logs["moe_tp2dp2"][0])
     assert all(float(r["gnorm_expert"]) > 0 for r in records)
     assert any(float(r["gnorm"]) > 0.5 for r in records), "SparseClip must clip at least once"
+
+
+def test_moe_tensor_times_data_parallel_with_activation_checkpointing(runs):
+    """The same TP = 2 x DP = 2 X-MoE run recomputing every layer in backward (routing,
+    all-to-alls and tensor-parallel collectives repeated) against 1 process with
+    ``--update-freq 2``."""
+    logs = runs["logs"]
+    assert_same_trajectory(logs["moe1"][0], logs["moe_tp2dp2_recompute"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
 
 
 def test_moe_global_balance_scope_tensor_times_data_parallel(runs):
