@@ -5,7 +5,8 @@
   single-process run within 1e-4 relative (dropout 0);
 - the same two at ``--model-parallel-size 2 --sequence-parallel`` (translation batches of
   odd lengths are padded to the group size); with dropout on, every replicated tensor is
-  bitwise identical in the two parts after 10 updates;
+  bitwise identical in the two parts after 10 updates; the X-MoE ``ts_lm`` below with
+  ``--sequence-parallel`` at TP = 2 equals 1 process;
 - DP x TP = 2 x 2 on 4 processes (the X-MoE run also with ``--checkpoint-activations``)
   equals the single process accumulating the same two
   batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
@@ -118,6 +119,7 @@ def runs(tmp_path_factory) -> dict:
         "mlm2": (mlm_args(lm_bin, root / "mlm2", 2), 2),
         "moe1": (moe_lm_args(lm_bin, root / "moe1", 1, update_freq=2), 1),
         "moe_dp2": (moe_lm_args(lm_bin, root / "moe_dp2", 1, update_freq=1), 2),
+        "moe2sp": ([*moe_lm_args(lm_bin, root / "moe2sp", 2, update_freq=2), "--sequence-parallel"], 2),
         "moe_tp2dp2": (moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), 4),
         "moe_tp2dp2_recompute": ([*moe_lm_args(lm_bin, root / "moe_tp2dp2_recompute", 2, update_freq=1),
                                   "--checkpoint-activations"], 4),
@@ -248,6 +250,14 @@ def test_moe_tensor_times_data_parallel_with_activation_checkpointing(runs):
     ``--update-freq 2``."""
     logs = runs["logs"]
     assert_same_trajectory(logs["moe1"][0], logs["moe_tp2dp2_recompute"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
+
+
+def test_moe_sequence_parallel_equals_single_process(runs):
+    """X-MoE at TP = 2 with ``--sequence-parallel`` (the MoE layers gather the sequence,
+    route the same tokens as one process and keep their slice) against 1 process."""
+    logs = runs["logs"]
+    assert_same_trajectory(logs["moe1"][0], logs["moe2sp"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
+    assert all(float(r["gnorm_expert"]) > 0 for r in train_records(logs["moe2sp"][0]))
 
 
 def test_moe_global_balance_scope_tensor_times_data_parallel(runs):

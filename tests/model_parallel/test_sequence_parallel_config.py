@@ -11,6 +11,6 @@ def test_sequence_parallel_needs_tensor_parallelism():
         build("lm", sequence_parallel=True)
 
 
-def test_sequence_parallel_refuses_moe_layers():
-    with pytest.raises(TsConfigError, match=r"--moe-expert-count"):
+def test_sequence_parallel_with_moe_layers_needs_tensor_parallelism():
+    with pytest.raises(TsConfigError, match=r"needs --model-parallel-size > 1"):
         build("lm", sequence_parallel=True, moe_expert_count=4)

@@ -109,10 +109,6 @@ def sequence_parallel_from_args(args: Any) -> bool:
     """``--sequence-parallel``, refused in one line where it cannot work."""
     if not getattr(args, "sequence_parallel", False):
         return False
-    if getattr(args, "moe_expert_count", 0) > 0:
-        raise TsConfigError(
-            "--sequence-parallel does not support MoE layers yet (--moe-expert-count > 0): drop one of the two"
-        )
     if group_size(get_tensor_parallel_group()) == 1:
         raise TsConfigError(
             "--sequence-parallel splits activations over the tensor-parallel group: it needs --model-parallel-size > 1 "

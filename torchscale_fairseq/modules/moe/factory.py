@@ -1,7 +1,8 @@
 """Which FFN a layer gets: an :class:`MoELayer` in every ``moe_freq``-th layer of an MoE
 stack (paper: every second layer), ``None`` (the dense default) elsewhere. Under tensor
 parallelism its experts are split over the stack's ``tp_group`` (``--moe-expert-tensor-parallel
-split``, the default) or whole on every tensor-parallel rank (``replicate``)."""
+split``, the default) or whole on every tensor-parallel rank (``replicate``); under
+``--sequence-parallel`` it gathers the sequence over ``tp_group`` (see :class:`MoELayer`)."""
 
 from __future__ import annotations
 
@@ -21,4 +22,5 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
     b = cfg.backbone
     tp_group = cfg.tp_group if moe.expert_tensor_parallel == "split" else None
     return MoELayer(moe, cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain,
-                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count), tp_group=tp_group)
+                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count), tp_group=tp_group,
+                    sequence_group=cfg.tp_group if getattr(cfg, "sequence_parallel", False) else None)

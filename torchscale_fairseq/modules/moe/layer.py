@@ -20,6 +20,20 @@ backward: ``--moe-checkpoint-exchange repeat`` (default, as Megatron-core) sends
 all-to-alls again in the recomputation; ``keep`` keeps their outputs from the forward pass
 (``2 k N d`` more activations per MoE layer for ``N`` tokens of width ``d``) and the
 recomputation sends nothing.
+
+Under sequence parallelism (``sequence_group``: the tensor-parallel group the stack splits
+the sequence over, in training) the layer receives this rank's ``(B, T/t, C)`` slice. It
+all-gathers the ``t`` slices at its entry and runs on the whole ``(B, T, C)`` exactly as
+under plain tensor parallelism (router replicated on the same tokens, so routing,
+capacity and the balance loss are those of TP = 1; the padding mask is the stack's
+full-length one, so the tokens padded to a multiple of ``t`` are not routed), then keeps
+this rank's slice of the output. The entry is Megatron's
+``gather_from_sequence_parallel_region`` (all-gather forward, split backward) and the exit
+``scatter_to_sequence_parallel_region`` (split forward, all-gather backward): inside, every
+gradient is whole and the same on every rank as under plain tensor parallelism (the
+router's and the experts' included, so none is sequence-parallel-marked), and the gradient
+leaving the entry is this rank's slice of it. The bytes match Megatron-core's all-gather
+dispatcher (an all-gather each way, ``B T C`` elements).
 """
 
 from __future__ import annotations
@@ -32,7 +46,11 @@ from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.layers import TensorParallelGroup
-from torchscale_fairseq.model_parallel.mappings import copy_to_tensor_parallel_region
+from torchscale_fairseq.model_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats, balance_loss, choice_totals, routing_stats
 from torchscale_fairseq.modules.moe.config import MoEConfig
@@ -78,7 +96,9 @@ class MoELayer(nn.Module):
     """``parallel``: where the experts live (given by the model builder from
     :func:`~torchscale_fairseq.modules.moe.groups.get_expert_parallel`); ``None``: all local.
     ``tp_group``: the tensor-parallel group every expert is split over (``None``: whole
-    experts, replicated on the tensor-parallel ranks); the router is replicated either way."""
+    experts, replicated on the tensor-parallel ranks); the router is replicated either way.
+    ``sequence_group``: the group the input's sequence is split over in training
+    (``--sequence-parallel``; ``None``: whole sequences)."""
 
     def __init__(
         self,
@@ -93,9 +113,11 @@ class MoELayer(nn.Module):
         tag: str = "",
         parallel: ExpertParallel | None = None,
         tp_group: TensorParallelGroup = None,
+        sequence_group: TensorParallelGroup = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.sequence_group = sequence_group
         self.tag = tag
         self.parallel = parallel or ExpertParallel(cfg.expert_count, cfg.expert_count, 0)  # all experts local
         self.router = build_router(cfg.router, embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
@@ -121,7 +143,18 @@ class MoELayer(nn.Module):
                 incremental: bool = False, memo: RecomputeMemo | None = None) -> tuple[torch.Tensor, MoEAux]:
         """``memo``: shared by the forward and the recomputation of one checkpointed call
         (see the module docstring); ``None`` without checkpointing."""
+        split = self.sequence_group is not None and self.training
+        if split:
+            x = gather_from_sequence_parallel_region(x, self.sequence_group)
+        out, aux = self._forward(x, padding_mask, incremental, memo)
+        return (scatter_to_sequence_parallel_region(out, self.sequence_group) if split else out), aux
+
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None, incremental: bool,
+                 memo: RecomputeMemo | None) -> tuple[torch.Tensor, MoEAux]:
         replay = memo is not None and memo.filled
+        if padding_mask is not None and padding_mask.shape != x.shape[:-1]:
+            raise ValueError(f"MoE layer {self.tag!r}: padding mask {tuple(padding_mask.shape)} does not cover "
+                             f"the tokens {tuple(x.shape[:-1])}")
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         keep = None
