@@ -41,6 +41,8 @@ from torchscale_fairseq.model_parallel.layers import (
 from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.modules.backbone import build_backbone
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.layer import MoELayer
 
 B, T, D, FFN, HEADS, V, PAD = 3, 5, 16, 32, 4, 300, 1
 T_SP = 6  # a sequence divisible by the tensor-parallel sizes tested
@@ -233,6 +235,52 @@ def check_sequence_parallel_layer(backbone: str, dense: dict) -> tuple[dict[str,
     }, list(log)
 
 
+def moe_transformer_layer(tp_group=None, sequence_parallel: bool = False) -> TransformerLayer:
+    """A Magneto layer whose FFN is an X-MoE layer (4 split experts, both experts of every token)."""
+    cfg = layer_config("magneto", tp_group, sequence_parallel)
+    b = cfg.backbone
+    moe = MoELayer(MoEConfig(expert_count=4, second_expert_policy="all"), D, FFN, cfg.activation, 0.0, b.subln,
+                   b.gain, cfg.layernorm_eps, tag="moe", tp_group=tp_group,
+                   sequence_group=tp_group if sequence_parallel else None)
+    return TransformerLayer(cfg, ffn=moe)
+
+
+def moe_padding_mask() -> torch.Tensor:
+    """The full-length mask both runs get: the last two positions of the first sequence are padding."""
+    mask = torch.zeros(B, T_SP, dtype=torch.bool)
+    mask[0, -2:] = True
+    return mask
+
+
+def dense_moe_layer() -> dict:
+    """Output, balance loss and gradients of the unsplit MoE layer on the whole sequence."""
+    dense = seeded(23, moe_transformer_layer)
+    x = randn(21, B, T_SP, D).requires_grad_()
+    y, aux = dense(x, padding_mask=moe_padding_mask(), causal=True)
+    torch.autograd.backward([y, aux.balance_loss], [randn(22, B, T_SP, D), torch.ones(())])
+    return {"out": y.detach(), "loss": aux.balance_loss.detach(), "grad_x": x.grad,
+            "grads": {n: p.grad for n, p in dense.named_parameters()}}
+
+
+def check_sequence_parallel_moe_layer(dense: dict) -> tuple[dict[str, float], list]:
+    """The MoE layer on this rank's slice with the full-length padding mask: output and
+    input gradient equal the unsplit layer's on those positions, the balance loss equals
+    its loss (routing over the same tokens), and the parameter gradients (router and
+    split experts unmarked, LayerNorms summed over the group) equal its gradients."""
+    par = seeded(23, lambda: moe_transformer_layer(tp(), sequence_parallel=True))
+    x = sequence_slice(randn(21, B, T_SP, D)).requires_grad_()
+    with record_collectives() as log:
+        y, aux = par(x, padding_mask=moe_padding_mask(), causal=True)
+        torch.autograd.backward([y, aux.balance_loss], [sequence_slice(randn(22, B, T_SP, D)), torch.ones(())])
+    sum_sequence_parallel_grads(par, tp())
+    return {
+        "out": err(y, sequence_slice(dense["out"])),
+        "loss": err(aux.balance_loss, dense["loss"]),
+        "grad_x": err(x.grad, sequence_slice(dense["grad_x"])),
+        "grad_params": param_grad_errors(par, dense["grads"]),
+    }, list(log)
+
+
 def sequence_slice(full: torch.Tensor) -> torch.Tensor:
     return full.chunk(groups.get_tensor_parallel_world_size(), dim=1)[groups.get_tensor_parallel_rank()].clone()
 
@@ -363,6 +411,7 @@ def main() -> None:
         "preln": dense_transformer_layer("preln"),
         "sp_magneto": dense_transformer_layer("magneto", T_SP),
         "sp_preln": dense_transformer_layer("preln", T_SP),
+        "sp_moe": dense_moe_layer(),
     }
     groups.initialize_model_parallel(world)
     results: dict = {"errors": {}, "collectives": {}, "shape": [B, T, D]}
@@ -377,6 +426,7 @@ def main() -> None:
         errors, log = check_sequence_parallel_layer(backbone, dense[f"sp_{backbone}"])
         results["errors"][f"sp_{backbone}"], results["collectives"][f"sp_{backbone}"] = errors, log
     results["sp_shape"] = [B, T_SP, D]
+    results["errors"]["sp_moe"], results["collectives"]["sp_moe"] = check_sequence_parallel_moe_layer(dense["sp_moe"])
     if torch.get_default_device().type == "cpu":  # masks drawn by bernoulli_ (CUDA kernels draw inside)
         results["dropout_masks"] = check_dropout_masks(world)
     results["heads"] = HEADS

@@ -4,7 +4,8 @@ cross-entropy equals fairseq's label-smoothed loss on the full logits, and a lay
 exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3); selective
 recomputation of the attention core with attention dropout drawn from the tracker streams
 gives the gradients of no recomputation, keeps none of the rank's scores and adds no
-collective."""
+collective; an X-MoE layer under sequence parallelism on a padded batch equals the unsplit
+layer (output slice, balance loss, gradients)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layer", ["column", "row", "embedding", "layernorm", "magneto", "preln", "sp_magneto",
-                                   "sp_preln"])
+                                   "sp_preln", "sp_moe"])
 def test_parallel_layer_equals_dense(results, layer):
     errors = results["errors"][layer]
     assert errors, layer
@@ -82,6 +83,22 @@ def test_sequence_parallel_layer_gathers_and_reduce_scatters(results, backbone, 
         assert log.count(("reduce_scatter_single", direction, b * t * d)) == 2, log
         assert log.count(("all_reduce", direction, b * t)) == stats, log
     assert len(log) == 10 + 2 * stats, log
+
+
+def test_sequence_parallel_moe_layer_gathers_the_sequence_once_each_way(results):
+    """An X-MoE layer under sequence parallelism all-gathers the sequence at its entry
+    (forward) and the output gradient at its exit (backward), besides attention's
+    gathers and reduce-scatters; inside, the split experts communicate as under plain
+    tensor parallelism: ``g`` on the ``2 N`` routed rows forward, ``f`` on the ``N``
+    non-padding tokens' gradient backward."""
+    b, t, d = results["sp_shape"]
+    log = [tuple(entry) for entry in results["collectives"]["sp_moe"]]
+    for direction, gathers in (("forward", 2), ("backward", 3)):
+        assert log.count(("all_gather_single", direction, b * t * d // 2)) == gathers, log
+        assert log.count(("reduce_scatter_single", direction, b * t * d)) == 1, log
+    tokens = b * t - 2  # the worker's padding mask covers two positions
+    assert log.count(("all_reduce", "forward", 2 * tokens * d)) == 1, log
+    assert log.count(("all_reduce", "backward", tokens * d)) == 1, log
 
 
 def test_dropout_masks_differ_inside_the_parallel_region_only(results):
