@@ -4,7 +4,11 @@ multiple of the tensor-parallel size ``t`` (padding tokens, so every attention a
 mask already ignores them), the embedding output is split along the sequence, each rank
 runs LayerNorms, dropout and residuals on its ``T / t`` positions, and the final
 features are gathered and cut back to ``T`` before the output layer or the cross-attention
-that reads them. Evaluation and decoding run the same weights without the split."""
+that reads them. An MoE layer gathers the whole sequence at its entry and keeps its
+slice at its exit (:class:`~torchscale_fairseq.modules.moe.layer.MoELayer`): it routes
+the tokens of every rank, with the stack's full-length padding mask (the padding added
+here included), as without the split. Evaluation and decoding run the same weights
+without the split."""
 
 from __future__ import annotations
 
