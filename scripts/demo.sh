@@ -15,8 +15,8 @@
 #      (data_prep.nmt_baseline),
 #   6. plot validation perplexity, routing entropy and clipped updates (ts-plot-logs) into $PLOT_DIR
 #      and print a summary table. NMT=0 skips steps 5-6's translation part.
-# Defaults are estimated at 17-19 minutes on 2 idle CPU cores (not yet timed idle; NMT_BEAM=2 saves ~2): 600 LM updates of 16 x 128 tokens
-# (lr 4e-3, linear decay, no dropout), 400 NMT updates of 4096 tokens (d=128, FFN 512, lr 5e-3, no
+# Defaults are estimated at 17-19 minutes on 2 idle CPU cores (not yet timed idle; NMT_BEAM=2 saves ~2): 1200 LM updates of 8 x 128 tokens
+# (lr 4e-3, linear decay, no dropout), 800 NMT updates of 2048 tokens (d=128, FFN 512, lr 5e-3, no
 # dropout), beam 4 (docs/results.md: timing, numbers and every configuration tried).
 # Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
 set -euo pipefail
@@ -32,14 +32,14 @@ SAVE_DIR="${SAVE_DIR:-checkpoints/demo_lm}"
 ARCH="${ARCH:-ts_lm_tiny}"
 BACKBONE="${BACKBONE:-magneto}"
 TOKENS_PER_SAMPLE="${TOKENS_PER_SAMPLE:-128}"
-BATCH_SIZE="${BATCH_SIZE:-16}"
+BATCH_SIZE="${BATCH_SIZE:-8}"               # 8 x 1200 updates: valid ppl 750 vs 813 for 16 x 600, same tokens and CPU time
 LR="${LR:-4e-3}"                           # peak; linear decay to 0 at MAX_UPDATE (polynomial_decay)
 WARMUP_UPDATES="${WARMUP_UPDATES:-40}"
-MAX_UPDATE="${MAX_UPDATE:-600}"
+MAX_UPDATE="${MAX_UPDATE:-1200}"
 DROPOUT="${DROPOUT:-0.0}"                  # a few epochs at most: dropout only slows learning
 ADAPTIVE_CUTOFF="${ADAPTIVE_CUTOFF:-2000,10000}"  # adaptive input/softmax bands (GPT-2 ids + 4); empty: full softmax
-ADAPTIVE_FACTOR="${ADAPTIVE_FACTOR:-4}"    # band i has dimension d / factor**i
-VALIDATE_INTERVAL="${VALIDATE_INTERVAL:-200}"  # validation (and checkpoint_best) every N updates
+ADAPTIVE_FACTOR="${ADAPTIVE_FACTOR:-2}"    # band i has dimension d / factor**i (2: valid ppl 813 vs 919 for 4, same cost)
+VALIDATE_INTERVAL="${VALIDATE_INTERVAL:-400}"  # validation (and checkpoint_best) every N updates
 LOG_INTERVAL="${LOG_INTERVAL:-20}"
 SEED="${SEED:-1}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"   # appended to fairseq-train, word-split
@@ -53,12 +53,13 @@ NMT_VOCAB="${NMT_VOCAB:-4000}"
 NMT_SAVE_DIR="${NMT_SAVE_DIR:-checkpoints/demo_nmt_moe}"
 NMT_ARCH="${NMT_ARCH:-ts_transformer_tiny}"       # passed as ARCH, so an LM ARCH from the environment stays out
 NMT_EXPERTS="${NMT_EXPERTS:-4}"
-NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-400}"
+NMT_MAX_UPDATE="${NMT_MAX_UPDATE:-800}"
 NMT_LR="${NMT_LR:-5e-3}"
 NMT_WARMUP="${NMT_WARMUP:-60}"
 NMT_EMBED_DIM="${NMT_EMBED_DIM:-128}"
 NMT_FFN_DIM="${NMT_FFN_DIM:-512}"
-NMT_MAX_TOKENS="${NMT_MAX_TOKENS:-4096}"
+NMT_MAX_TOKENS="${NMT_MAX_TOKENS:-2048}"   # 800 x 2048 tokens: 25% lower valid ppl than 400 x 4096 at equal tokens
+NMT_VALIDATE_INTERVAL="${NMT_VALIDATE_INTERVAL:-200}"
 NMT_DROPOUT="${NMT_DROPOUT:-0.0}"
 NMT_BEAM="${NMT_BEAM:-4}"
 # fairseq-generate --no-repeat-ngram-size (0: off). Note: fairseq 0.12's CPU fallback compares the wrong
@@ -146,7 +147,7 @@ if [ "$NMT" = 1 ]; then
   SCALE=tiny ARCH="$NMT_ARCH" DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" EXPERTS="$NMT_EXPERTS" CLIP=sparse \
     MAX_UPDATE="$NMT_MAX_UPDATE" EMBED_DIM="$NMT_EMBED_DIM" FFN_DIM="$NMT_FFN_DIM" HEADS=4 DROPOUT="$NMT_DROPOUT" \
     MAX_TOKENS="$NMT_MAX_TOKENS" TOTAL_TOKENS="$NMT_MAX_TOKENS" LR="$NMT_LR" \
-    WARMUP="$NMT_WARMUP" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates 100" \
+    WARMUP="$NMT_WARMUP" LOG_INTERVAL="$LOG_INTERVAL" SEED="$SEED" VENV="$VENV" EXTRA_ARGS="--validate-interval-updates $NMT_VALIDATE_INTERVAL" \
     bash "$ROOT/scripts/nmt/train_moe.sh"
   say "BLEU and chrF on the held-out test set"
   SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" BEAM="$NMT_BEAM" VENV="$VENV" \
