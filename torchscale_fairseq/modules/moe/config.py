@@ -70,27 +70,15 @@ def check_moe_config(cfg: MoEConfig) -> None:
         raise TsConfigError(
             f"--moe-top-k {cfg.top_k} is larger than --moe-expert-count {cfg.expert_count}: lower top-k or add experts"
         )
-    if cfg.router not in ROUTERS:
-        raise TsConfigError(f"--moe-router {cfg.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
-    if cfg.second_expert_policy not in SECOND_EXPERT_POLICIES:
-        raise TsConfigError(
-            f"--moe-second-expert-policy {cfg.second_expert_policy!r} is unknown: "
-            f"choose one of {', '.join(SECOND_EXPERT_POLICIES)}"
-        )
-    if cfg.balance_scope not in BALANCE_SCOPES:
-        raise TsConfigError(
-            f"--moe-balance-scope {cfg.balance_scope!r} is unknown: choose one of {', '.join(BALANCE_SCOPES)}"
-        )
-    if cfg.checkpoint_exchange not in CHECKPOINT_EXCHANGES:
-        raise TsConfigError(
-            f"--moe-checkpoint-exchange {cfg.checkpoint_exchange!r} is unknown: "
-            f"choose one of {', '.join(CHECKPOINT_EXCHANGES)}"
-        )
-    if cfg.expert_tensor_parallel not in EXPERT_TENSOR_PARALLEL:
-        raise TsConfigError(
-            f"--moe-expert-tensor-parallel {cfg.expert_tensor_parallel!r} is unknown: "
-            f"choose one of {', '.join(EXPERT_TENSOR_PARALLEL)}"
-        )
+    for flag, value, choices in (
+        ("--moe-router", cfg.router, ROUTERS),
+        ("--moe-second-expert-policy", cfg.second_expert_policy, SECOND_EXPERT_POLICIES),
+        ("--moe-balance-scope", cfg.balance_scope, BALANCE_SCOPES),
+        ("--moe-checkpoint-exchange", cfg.checkpoint_exchange, CHECKPOINT_EXCHANGES),
+        ("--moe-expert-tensor-parallel", cfg.expert_tensor_parallel, EXPERT_TENSOR_PARALLEL),
+    ):
+        if value not in choices:
+            raise TsConfigError(f"{flag} {value!r} is unknown: choose one of {', '.join(choices)}")
     if cfg.router_dim <= 0:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")
     if cfg.gate_noise < 0:
