@@ -10,14 +10,13 @@ checks use. The same collectives run on NCCL at world size 1 (``nccl_worker.py``
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 import torch
 
 from tests.cli_utils import REPO, run, run_many
-from tests.model_parallel.mp_helpers import free_port, launch, wait_all
+from tests.model_parallel.mp_helpers import free_port, run_worker_ranks
 from torchscale_fairseq.model_parallel import process_groups
 from torchscale_fairseq.model_parallel import random as tp_random
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
@@ -29,13 +28,9 @@ LAYER_WORKER = REPO / "tests" / "model_parallel" / "layer_worker.py"
 
 def test_parallel_layers_on_cuda_equal_dense(tmp_path):
     """``layer_worker.py`` (the CPU layer checks of ``test_mp_layers.py``) with every tensor on the GPU."""
-    port = free_port()
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = [launch([sys.executable, str(LAYER_WORKER), str(r), "2", str(port), str(tmp_path / "out.json"), "cuda"],
-                    logs[r]) for r in range(2)]
-    wait_all(procs, logs, timeout=300)
-    errors = json.loads((tmp_path / "out.json").read_text())["errors"]
-    assert set(errors) == {"column", "row", "embedding", "layernorm", "cross_entropy", "magneto", "preln"}
+    errors = run_worker_ranks(LAYER_WORKER, 2, tmp_path, "cuda", timeout=300)["errors"]
+    assert set(errors) == {"column", "row", "embedding", "layernorm", "cross_entropy", "magneto", "preln",
+                           "sp_magneto", "sp_preln", "sp_moe"}
     for layer, values in errors.items():
         for what, value in values.items():
             # the tolerances of test_mp_layers.py

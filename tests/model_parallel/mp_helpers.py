@@ -47,6 +47,18 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 3
             raise AssertionError(f"{' '.join(p.args[:3])} ... exited {code}:\n" + log.read_text()[-3000:])
 
 
+def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: float = 180) -> dict:
+    """Run ``python WORKER RANK WORLD PORT OUT.json [EXTRA...]`` on ``world`` gloo ranks
+    (logs in ``out``); return the JSON rank 0 wrote."""
+    port = free_port()
+    result = out / "results.json"
+    logs = [out / f"rank{r}.log" for r in range(world)]
+    procs = [launch([sys.executable, str(worker), str(r), str(world), str(port), str(result), *extra], logs[r])
+             for r in range(world)]
+    wait_all(procs, logs, timeout=timeout)
+    return json.loads(result.read_text())
+
+
 def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
     """Start ``world`` processes of the fairseq console tool ``tool``; return their logs
     (call :func:`wait_all` on ``.procs``)."""

@@ -8,12 +8,10 @@ the other, or an expert FFN width the tensor-parallel size does not divide, is o
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-from mp_helpers import free_port, launch, wait_all
+from mp_helpers import run_worker_ranks
 
 WORKER = Path(__file__).resolve().parent / "expert_worker.py"
 TOL = 1e-5
@@ -21,13 +19,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("experts")
-    port = free_port()
-    logs = [out / f"rank{r}.log" for r in range(4)]
-    procs = [launch([sys.executable, str(WORKER), str(r), "4", str(port), str(out / "results.json")], logs[r])
-             for r in range(4)]
-    wait_all(procs, logs, timeout=180)
-    return json.loads((out / "results.json").read_text())
+    return run_worker_ranks(WORKER, 4, tmp_path_factory.mktemp("experts"))
 
 
 CASES = ["magneto/split", "magneto/replicate", "swiglu/split", "swiglu/replicate"]

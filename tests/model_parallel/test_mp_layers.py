@@ -9,12 +9,10 @@ layer (output slice, balance loss, gradients)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-from mp_helpers import free_port, launch, wait_all
+from mp_helpers import run_worker_ranks
 
 WORKER = Path(__file__).resolve().parent / "layer_worker.py"
 TOL = 1e-5
@@ -22,13 +20,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("layers")
-    port = free_port()
-    logs = [out / f"rank{r}.log" for r in range(2)]
-    procs = [launch([sys.executable, str(WORKER), str(r), "2", str(port), str(out / "results.json")], logs[r])
-             for r in range(2)]
-    wait_all(procs, logs, timeout=180)
-    return json.loads((out / "results.json").read_text())
+    return run_worker_ranks(WORKER, 2, tmp_path_factory.mktemp("layers"))
 
 
 @pytest.mark.parametrize("layer", ["column", "row", "embedding", "layernorm", "magneto", "preln", "sp_magneto",
