@@ -1,4 +1,4 @@
-"""Prepare a GPT-2-BPE language-modelling dataset for fairseq (``--task language_modeling``).
+"""Prepare a GPT-2-BPE (or small SentencePiece) language-modelling dataset for fairseq (``--task language_modeling``).
 
 Corpus: by default the English Wikipedia excerpt shipped in gensim's test data, cleaned
 by :mod:`data_prep.wiki_text`; with ``--corpus web`` the World English Bible (Debian
@@ -20,6 +20,12 @@ Output directory (written only after all inputs are checked, and only if it is e
   (a document boundary) is a lone ``</s>``.
 * ``raw/{split}.txt``: the text that was encoded, one paragraph per line.
 
+With ``--spm-vocab N`` the tokens are pieces of a SentencePiece unigram model of ``N`` pieces
+trained on the train split alone (written as ``spm.model``/``spm.vocab``), and ``dict.txt``
+lists its pieces in SentencePiece id order (fairseq id = piece id + 1: SentencePiece's own
+``<unk> <s> </s>`` are fairseq's). A vocabulary of a few thousand makes the embedding a small
+part of a small model, as in the experiments of ``docs/results.md``.
+
 Run from the repository root: ``python -m data_prep.prepare_lm --max-docs 50``.
 """
 
@@ -31,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as ``python data_prep/prepare_lm.py``
@@ -61,6 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-docs", type=int, help="use only the first N documents (of each given file)")
     parser.add_argument("--valid-fraction", type=float, default=0.05, help="share of documents for valid")
     parser.add_argument("--test-fraction", type=float, default=0.05, help="share of documents for test")
+    parser.add_argument("--spm-vocab", type=int,
+                        help="tokenise with a SentencePiece model of this many pieces trained on train (default: GPT-2 BPE)")
     parser.add_argument("--workers", type=int, default=2, help="fairseq-preprocess workers")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out-dir")
     return parser.parse_args(argv)
@@ -194,18 +202,50 @@ def write_gpt2_dict(path: Path, n_vocab: int) -> None:
 
 
 def write_split(
-    docs: list[Document], text_path: Path, ids_path: Path, encoding: tiktoken.Encoding
+    docs: list[Document], text_path: Path, tokens_path: Path, encode: Callable[[list[str]], list[list[str]]]
 ) -> dict[str, int]:
-    """Write the raw text and its GPT-2 ids (one line each); return document/line/token counts."""
+    """Write the raw text and its tokens (one line each); return document/line/token counts."""
     lines: list[str] = []
     for i, doc in enumerate(docs):
         if i:
             lines.append("")
         lines.extend(doc)
-    ids = encoding.encode_ordinary_batch(lines, num_threads=2)
+    rows = encode(lines)
     text_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    ids_path.write_text("".join(" ".join(map(str, row)) + "\n" for row in ids), encoding="utf-8")
-    return {"docs": len(docs), "lines": sum(len(doc) for doc in docs), "tokens": sum(len(row) for row in ids)}
+    tokens_path.write_text("".join(" ".join(row) + "\n" for row in rows), encoding="utf-8")
+    return {"docs": len(docs), "lines": sum(len(doc) for doc in docs), "tokens": sum(len(row) for row in rows)}
+
+
+def gpt2_tokenizer(dict_path: Path) -> Callable[[list[str]], list[list[str]]]:
+    """GPT-2 BPE ids as strings; writes the GPT-2 dictionary to ``dict_path``."""
+    encoding = load_gpt2_encoding()
+    write_gpt2_dict(dict_path, encoding.n_vocab)
+
+    def encode(lines: list[str]) -> list[list[str]]:
+        return [[str(i) for i in row] for row in encoding.encode_ordinary_batch(lines, num_threads=2)]
+
+    return encode
+
+
+def sentencepiece_tokenizer(
+    train_lines: list[str], vocab_size: int, prefix: Path, dict_path: Path
+) -> Callable[[list[str]], list[list[str]]]:
+    """Pieces of a SentencePiece unigram model trained on ``train_lines`` (``prefix.{model,vocab}``);
+    writes its pieces, in id order and without SentencePiece's control pieces, to ``dict_path``."""
+    from data_prep.train_spm import train_sentencepiece
+
+    text = prefix.with_suffix(".train.txt")
+    text.write_text("".join(line + "\n" for line in train_lines if line.strip()), encoding="utf-8")
+    model = train_sentencepiece(text, prefix, vocab_size)
+    text.unlink()
+    pieces = [model.id_to_piece(i) for i in range(model.get_piece_size())]
+    special = {i for i in range(len(pieces)) if model.is_control(i) or model.is_unknown(i)}
+    dict_path.write_text("".join(f"{p} 1\n" for i, p in enumerate(pieces) if i not in special), encoding="utf-8")
+
+    def encode(lines: list[str]) -> list[list[str]]:
+        return model.encode(lines, out_type=str)
+
+    return encode
 
 
 def _install(tmp: Path, out_dir: Path) -> None:
@@ -224,9 +264,10 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """Check inputs, then encode, binarize and install the dataset; return counts per split."""
     out_dir = Path(args.out_dir)
     check_out_dir(out_dir, args.force)
+    if args.spm_vocab is not None and args.spm_vocab < 8:
+        raise SystemExit(f"error: --spm-vocab {args.spm_vocab} is too small; use a few thousand, e.g. --spm-vocab 4000")
     corpus = load_corpus(args)
     preprocess = find_fairseq_preprocess()
-    encoding = load_gpt2_encoding()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -234,15 +275,19 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
         (tmp / "raw").mkdir()
         work = Path(tempfile.mkdtemp(prefix="prepare_lm-"))
         try:
+            if args.spm_vocab is None:
+                encode = gpt2_tokenizer(work / "dict.txt")
+            else:
+                train_lines = [line for doc in corpus["train"] for line in doc]
+                encode = sentencepiece_tokenizer(train_lines, args.spm_vocab, tmp / "spm", work / "dict.txt")
             stats = {
-                split: write_split(corpus[split], tmp / "raw" / f"{split}.txt", work / f"{split}.gpt2", encoding)
+                split: write_split(corpus[split], tmp / "raw" / f"{split}.txt", work / f"{split}.tok", encode)
                 for split in SPLITS
             }
-            write_gpt2_dict(work / "dict.txt", encoding.n_vocab)
             cmd = [
                 str(preprocess), "--only-source", "--srcdict", str(work / "dict.txt"),
-                "--trainpref", str(work / "train.gpt2"), "--validpref", str(work / "valid.gpt2"),
-                "--testpref", str(work / "test.gpt2"), "--destdir", str(tmp), "--workers", str(args.workers),
+                "--trainpref", str(work / "train.tok"), "--validpref", str(work / "valid.tok"),
+                "--testpref", str(work / "test.tok"), "--destdir", str(tmp), "--workers", str(args.workers),
             ]  # fmt: skip
             result = subprocess.run(cmd, check=False, capture_output=True, text=True)
         finally:
@@ -259,13 +304,14 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     return stats
 
 
-def format_summary(stats: dict[str, dict[str, int]], out_dir: str) -> str:
-    """A small table of documents, lines and GPT-2 tokens per split."""
+def format_summary(stats: dict[str, dict[str, int]], out_dir: str, spm_vocab: int | None = None) -> str:
+    """A small table of documents, lines and tokens per split."""
     rows = [f"{'split':<6} {'docs':>7} {'lines':>8} {'tokens':>10}"]
     for split in SPLITS:
         s = stats[split]
         rows.append(f"{split:<6} {s['docs']:>7,} {s['lines']:>8,} {s['tokens']:>10,}")
-    rows.append(f"wrote {out_dir} (fairseq id = GPT-2 id + 4; tokens exclude the </s> ending each line)")
+    ids = "GPT-2 id + 4" if spm_vocab is None else f"SentencePiece id + 1, {spm_vocab} pieces"
+    rows.append(f"wrote {out_dir} (fairseq id = {ids}; tokens exclude the </s> ending each line)")
     return "\n".join(rows)
 
 
@@ -273,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
     """Entry point: prepare the dataset and print the summary."""
     args = parse_args(argv)
     stats = prepare(args)
-    print(format_summary(stats, args.out_dir))
+    print(format_summary(stats, args.out_dir, args.spm_vocab))
     return stats
 
 
