@@ -210,3 +210,34 @@ def test_wiki_markup_cleaner_on_a_known_snippet() -> None:
         "Early life",
         "She was born in London & raised by her mother.",
     ]
+
+
+def test_spm_vocab_ids_are_sentencepiece_ids_plus_one(tmp_path: Path) -> None:
+    """--spm-vocab: the binarized ids are the ids of sentencepiece's own encoding of each line, + 1."""
+    import sentencepiece as spm
+
+    words = "the history of science art music river city north south war peace king queen".split()
+    docs = [[" ".join(words[(d + i) % len(words)] for i in range(3 * d + 5)) + "." for _ in range(4)]
+            for d in range(12)]
+    corpus = _write_docs(tmp_path / "corpus.txt", docs)
+    out = tmp_path / "data-bin"
+    stats = prepare_lm.main(["--train-text", str(corpus), "--out-dir", str(out), "--spm-vocab", "40",
+                             "--valid-fraction", "0.1", "--test-fraction", "0.1", "--workers", "1"])
+    model = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
+    dictionary = Dictionary.load(str(out / "dict.txt"))
+    assert len(dictionary) == 4 + model.get_piece_size() - 3  # sentencepiece's <unk> <s> </s> are fairseq's
+    splits = prepare_lm.split_documents(docs, 0.1, 0.1)
+    for split, split_docs in splits.items():
+        dataset = data_utils.load_indexed_dataset(str(out / split), dictionary)
+        lines = _as_lines(split_docs)
+        assert len(dataset) == len(lines) and stats[split]["docs"] == len(split_docs)
+        for item, line in zip(dataset, lines):
+            assert (item[:-1] - 1).tolist() == model.encode(line)
+            assert model.decode((item[:-1] - 1).tolist()) == line
+
+
+def test_spm_vocab_too_small_is_one_line(tmp_path: Path) -> None:
+    corpus = _write_docs(tmp_path / "corpus.txt", DOCS)
+    with pytest.raises(SystemExit, match="--spm-vocab 2 is too small"):
+        prepare_lm.main(["--train-text", str(corpus), "--out-dir", str(tmp_path / "out"), "--spm-vocab", "2"])
+    assert not (tmp_path / "out").exists()

@@ -24,12 +24,12 @@ def _f(x: object) -> float | None:
         return None
 
 
-def summarize(run_dir: Path) -> dict[str, str]:
+def metrics(run_dir: Path) -> dict[str, float | bool | None]:
+    """The numbers of one run (``None`` where the log has none); ``diverged``/``nonfinite`` are flags."""
     log = plot_logs.parse_log(run_dir / "train.log")
     train = plot_logs.training_records(log)
     losses = [v for v in (_f(r.get("loss")) for r in train) if v is not None]
     gnorms = [v for v in (_f(r.get("gnorm")) for r in train) if v is not None]
-    updates = max((int(_f(r.get("num_updates")) or 0) for r in train), default=0)
     _, ppl = plot_logs.valid_ppl(log)
     _, clipped = plot_logs.clipped_updates(log)
     entropy = [v for v in (_f(r.get("moe_entropy")) for r in train) if v is not None]
@@ -37,27 +37,49 @@ def summarize(run_dir: Path) -> dict[str, str]:
     text = out.read_text(errors="replace") if out.is_file() else ""
     nonfinite = any(s in text for s in ("FloatingPointError", "Nan/Inf", "nan or inf", "non-finite"))
     nonfinite = nonfinite or any(str(r.get("loss")).lower() in ("nan", "inf") for r in train)
-    diverged = nonfinite or (bool(losses) and losses[-1] > min(losses) + 1.0)
-    scores = {}
+    scores: dict[str, float | None] = {}
     bleu = run_dir / "bleu_test.txt"
     if bleu.is_file():
         for line in bleu.read_text().splitlines():
             key, _, value = line.partition(" ")
-            scores[key] = value
-    fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+            scores[key] = _f(value)
+    return {
+        "updates": max((int(_f(r.get("num_updates")) or 0) for r in train), default=0),
+        "loss_first": losses[0] if losses else None,
+        "loss_min": min(losses) if losses else None,
+        "loss_final": losses[-1] if losses else None,
+        "ppl_best": min(ppl) if ppl else None,
+        "ppl_final": ppl[-1] if ppl else None,
+        "gnorm_max": max(gnorms) if gnorms else None,
+        "clipped": clipped[-1] if clipped else None,
+        "entropy": entropy[-1] if entropy else None,
+        "bleu": scores.get("bleu"),
+        "chrf": scores.get("chrf"),
+        "nonfinite": nonfinite,
+        "diverged": nonfinite or (bool(losses) and losses[-1] > min(losses) + 1.0),
+    }
+
+
+def fmt(v: float | None, places: int = 2) -> str:
+    """``v`` with ``places`` decimals, or ``-``."""
+    return "-" if v is None else f"{v:.{places}f}"
+
+
+def summarize(run_dir: Path) -> dict[str, str]:
+    """One table row of ``run_dir``."""
+    m = metrics(run_dir)
     return {
         "run": run_dir.name,
-        "updates": str(updates),
-        "train loss first/min/final": "/".join(fmt(v) for v in (
-            losses[0] if losses else None, min(losses) if losses else None, losses[-1] if losses else None)),
-        "valid ppl best": fmt(min(ppl) if ppl else None, 1),
-        "valid ppl final": fmt(ppl[-1] if ppl else None, 1),
-        "max gnorm": fmt(max(gnorms) if gnorms else None),
-        "clipped updates": fmt(clipped[-1] if clipped else None, 0),
-        "routing entropy": fmt(entropy[-1] if entropy else None, 3),
-        "BLEU": scores.get("bleu", "-"),
-        "chrF": scores.get("chrf", "-"),
-        "diverged": ("yes (non-finite)" if nonfinite else "yes") if diverged else "no",
+        "updates": str(m["updates"]),
+        "train loss first/min/final": "/".join(fmt(m[k]) for k in ("loss_first", "loss_min", "loss_final")),
+        "valid ppl best": fmt(m["ppl_best"], 1),
+        "valid ppl final": fmt(m["ppl_final"], 1),
+        "max gnorm": fmt(m["gnorm_max"]),
+        "clipped updates": fmt(m["clipped"], 0),
+        "routing entropy": fmt(m["entropy"], 3),
+        "BLEU": fmt(m["bleu"]),
+        "chrF": fmt(m["chrf"]),
+        "diverged": ("yes (non-finite)" if m["nonfinite"] else "yes") if m["diverged"] else "no",
     }
 
 

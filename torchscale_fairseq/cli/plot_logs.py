@@ -118,7 +118,8 @@ def clipped_updates(run: RunLog) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def _figure(title: str, ylabel: str, log_y: bool = False):  # noqa: ANN202 (matplotlib types)
+def new_figure(title: str, ylabel: str, log_y: bool = False):  # noqa: ANN202 (matplotlib types)
+    """A matplotlib (figure, axes) with updates on x, ``ylabel`` on y (log scale if ``log_y``)."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
@@ -135,7 +136,8 @@ def _figure(title: str, ylabel: str, log_y: bool = False):  # noqa: ANN202 (matp
     return fig, ax
 
 
-def _save(fig, ax, path: Path) -> Path:  # noqa: ANN001
+def save_figure(fig, ax, path: Path) -> Path:  # noqa: ANN001
+    """Add the legend, write ``fig`` to ``path`` as PNG and close it."""
     import matplotlib.pyplot as plt
 
     ax.legend(fontsize=8)
@@ -153,32 +155,32 @@ def plot_runs(runs: list[RunLog], out_dir: Path) -> tuple[list[Path], list[str]]
 
     curves = [(run.label, *valid_ppl(run)) for run in runs]
     if any(xs for _, xs, _ in curves):
-        fig, ax = _figure("Validation perplexity", "perplexity", log_y=True)
+        fig, ax = new_figure("Validation perplexity", "perplexity", log_y=True)
         for label, xs, ys in curves:
             if xs:
                 ax.plot(xs, ys, marker="o", markersize=3, label=label)
-        written.append(_save(fig, ax, out_dir / "valid_ppl.png"))
+        written.append(save_figure(fig, ax, out_dir / "valid_ppl.png"))
     else:
         notes.append("valid_ppl.png skipped: no 'valid_ppl' in the logs (validation never ran?)")
 
     entropy = [(run.label, key, *series(training_records(run), key, "num_updates"))
                for run in runs for key in entropy_keys(run)]
     if any(xs for *_, xs, _ in entropy):
-        fig, ax = _figure("Routing entropy", "entropy")
+        fig, ax = new_figure("Routing entropy", "entropy")
         for label, key, xs, ys in entropy:
             if xs:
                 ax.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({key})" if key != "moe_entropy" else label)
-        written.append(_save(fig, ax, out_dir / "routing_entropy.png"))
+        written.append(save_figure(fig, ax, out_dir / "routing_entropy.png"))
     else:
         notes.append("routing_entropy.png skipped: no '*entropy*' key in the training logs (no MoE run?)")
 
     clips = [(run.label, *clipped_updates(run)) for run in runs]
     if any(xs for _, xs, _ in clips):
-        fig, ax = _figure("Clipped updates", "number of clipped updates (cumulative)")
+        fig, ax = new_figure("Clipped updates", "number of clipped updates (cumulative)")
         for label, xs, ys in clips:
             if xs:
                 ax.plot([0.0, *xs], [0.0, *ys], marker="o", markersize=3, label=label)
-        written.append(_save(fig, ax, out_dir / "clipping.png"))
+        written.append(save_figure(fig, ax, out_dir / "clipping.png"))
     else:
         notes.append("clipping.png skipped: no 'clip' key in the training logs (trained without --clip-norm?)")
     return written, notes

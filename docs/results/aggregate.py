@@ -1,0 +1,132 @@
+"""Mean and spread over seeds of the runs of docs/results/run.sh, as a markdown table and plots.
+
+    python docs/results/aggregate.py /tmp/results-work/runs/depth_*_s[0-9]*
+    python docs/results/aggregate.py RUN_DIR... --plot docs/results/depth/valid_ppl.png --metric valid_ppl
+
+Run directories named ``<config>_s<seed>`` are grouped by ``<config>`` (a name without a seed
+suffix is its own group). Per group: number of seeds, mean ± sample standard deviation
+(min-max) of the final and best validation perplexity, final training loss (base 2), largest
+gradient norm, clipped updates, final routing entropy and BLEU/chrF where present, and how many
+seeds diverged (summarize.py's definition). ``--plot`` draws, per group, the mean over the seeds
+that logged each point, with a min-max band, of ``--metric``: ``valid_ppl``, ``train_loss``,
+``gnorm``, ``routing_entropy`` (``moe_entropy``), ``clipping`` (cumulative clipped updates) or
+any other key of the training records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from summarize import fmt, metrics  # noqa: E402
+
+from torchscale_fairseq.cli import plot_logs  # noqa: E402
+
+SEED_SUFFIX = re.compile(r"^(?P<config>.+)_s(?P<seed>\d+)$")
+COLUMNS = (  # (column, metric key, decimals)
+    ("valid ppl final", "ppl_final", 1),
+    ("valid ppl best", "ppl_best", 1),
+    ("train loss final", "loss_final", 2),
+    ("max gnorm", "gnorm_max", 2),
+    ("clipped updates", "clipped", 0),
+    ("routing entropy", "entropy", 3),
+    ("BLEU", "bleu", 2),
+    ("chrF", "chrf", 2),
+)
+
+
+def group_runs(run_dirs: Sequence[Path]) -> dict[str, list[Path]]:
+    """Run directories by configuration (the name without its ``_s<seed>`` suffix), in first-seen order."""
+    groups: dict[str, list[Path]] = {}
+    for run_dir in run_dirs:
+        match = SEED_SUFFIX.match(run_dir.name)
+        groups.setdefault(match["config"] if match else run_dir.name, []).append(run_dir)
+    return groups
+
+
+def spread(values: list[float], places: int) -> str:
+    """``mean ± std (min-max)`` of ``values`` (std: sample standard deviation; one value: itself)."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return fmt(values[0], places)
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    return f"{fmt(mean, places)} ± {fmt(std, places)} ({fmt(min(values), places)}-{fmt(max(values), places)})"
+
+
+def table(groups: dict[str, list[Path]]) -> list[str]:
+    """Markdown lines: one row per configuration; columns no run has are left out."""
+    rows = []
+    for config, dirs in groups.items():
+        ms = [metrics(d) for d in dirs]
+        row = {"config": config, "seeds": str(len(ms))}
+        for column, key, places in COLUMNS:
+            row[column] = spread([m[key] for m in ms if m[key] is not None], places)
+        row["diverged"] = f"{sum(bool(m['diverged']) for m in ms)}/{len(ms)}"
+        rows.append(row)
+    keys = [k for k in rows[0] if any(r[k] != "-" for r in rows)]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(r[k] for k in keys) + " |" for r in rows]
+    return lines
+
+
+def curve(run: plot_logs.RunLog, metric: str) -> tuple[list[float], list[float]]:
+    """(updates, values) of ``metric`` in one run."""
+    if metric == "valid_ppl":
+        return plot_logs.valid_ppl(run)
+    if metric == "clipping":
+        return plot_logs.clipped_updates(run)
+    key = {"train_loss": "loss", "routing_entropy": "moe_entropy"}.get(metric, metric)
+    return plot_logs.series(plot_logs.training_records(run), key, "num_updates")
+
+
+def plot(groups: dict[str, list[Path]], metric: str, out: Path, title: str | None = None) -> bool:
+    """Mean curve with a min-max band per configuration; False if no run logged ``metric``."""
+    fig, ax = plot_logs.new_figure(title or metric.replace("_", " "), metric, log_y=metric == "valid_ppl")
+    drawn = False
+    for config, dirs in groups.items():
+        by_update: dict[float, list[float]] = {}
+        for d in dirs:
+            for x, y in zip(*curve(plot_logs.parse_log(d / "train.log"), metric)):
+                by_update.setdefault(x, []).append(y)
+        if not by_update:
+            continue
+        xs = sorted(by_update)
+        ys = [by_update[x] for x in xs]
+        (line,) = ax.plot(xs, [statistics.fmean(v) for v in ys], marker="o", markersize=2,
+                          label=f"{config} ({len(dirs)} seeds)")
+        ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.2)
+        drawn = True
+    if drawn:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot_logs.save_figure(fig, ax, out)
+    return drawn
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: print the table, and draw ``--plot`` if given."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (each with a train.log)")
+    parser.add_argument("--plot", type=Path, help="write a PNG of --metric (mean and min-max band per config)")
+    parser.add_argument("--metric", default="valid_ppl", help="valid_ppl, train_loss, gnorm, routing_entropy, "
+                        "clipping or a training log key (default valid_ppl)")
+    parser.add_argument("--title", help="plot title (default: the metric)")
+    args = parser.parse_args(argv)
+    runs = [d for d in args.runs if (d / "train.log").is_file()]
+    for d in sorted(set(args.runs) - set(runs)):
+        print(f"skipped {d}: no train.log", file=sys.stderr)
+    if not runs:
+        sys.exit("error: no run directory with a train.log given")
+    groups = group_runs(runs)
+    print("\n".join(table(groups)))
+    if args.plot and not plot(groups, args.metric, args.plot, args.title):
+        sys.exit(f"error: no run logged {args.metric!r}; nothing drawn")
+
+
+if __name__ == "__main__":
+    main()

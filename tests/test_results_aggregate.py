@@ -1,0 +1,51 @@
+"""docs/results/aggregate.py: seeds grouped by configuration, mean ± sample std (min-max) per column."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "docs" / "results"))
+import aggregate  # noqa: E402
+
+
+def _run(root: Path, name: str, ppls: list[float], losses: list[float]) -> Path:
+    """A run directory whose train.log holds fairseq JSON records, as fairseq-train writes them."""
+    run = root / name
+    run.mkdir()
+    lines = [f"2026-11-23 | INFO | train_inner | {json.dumps({'loss': str(x), 'num_updates': str(10 * (i + 1))})}"
+             for i, x in enumerate(losses)]
+    lines += [f"2026-11-23 | INFO | valid | {json.dumps({'valid_ppl': str(p), 'valid_num_updates': str(20 * (i + 1))})}"
+              for i, p in enumerate(ppls)]
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_table_is_mean_std_min_max_over_seeds(tmp_path: Path) -> None:
+    finals = [100.0, 130.0, 115.0]
+    runs = [_run(tmp_path, f"deep_s{seed}", [400.0, p], [9.0, 8.0]) for seed, p in zip((1, 2, 3), finals)]
+    runs.append(_run(tmp_path, "shallow_s1", [500.0, 300.0], [9.0, 10.5]))
+    groups = aggregate.group_runs(runs)
+    assert list(groups) == ["deep", "shallow"] and len(groups["deep"]) == 3
+    lines = aggregate.table(groups)
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    deep = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
+    mean, std = statistics.fmean(finals), statistics.stdev(finals)
+    assert deep["valid ppl final"] == f"{mean:.1f} ± {std:.1f} (100.0-130.0)"
+    assert deep["valid ppl best"] == deep["valid ppl final"] and deep["seeds"] == "3"
+    shallow = dict(zip(header, (c.strip() for c in lines[3].strip("|").split("|"))))
+    assert shallow["diverged"] == "1/1" and deep["diverged"] == "0/3"  # final loss > 1 bit above its minimum
+
+
+def test_plot_draws_every_config(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    runs = [_run(tmp_path, f"c_s{seed}", [200.0 + seed, 150.0], [9.0, 8.0]) for seed in (1, 2)]
+    out = tmp_path / "plots" / "valid_ppl.png"
+    assert aggregate.plot(aggregate.group_runs(runs), "valid_ppl", out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert not aggregate.plot(aggregate.group_runs(runs), "moe_entropy", tmp_path / "none.png")
