@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|width|nmt|nmt_moe|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|width|nmt|plots   (or all; WORK=/tmp/results-work)
 # Two trainings run side by side (OMP_NUM_THREADS=1 each); every run is a scripts/{lm,nmt}/*.sh
 # recipe at SCALE=tiny with environment overrides, so each line below is one reproducible command.
 set -uo pipefail
@@ -43,28 +43,33 @@ width() {
   wait
 }
 
-# Dense vs X-MoE NMT, 2-2 layers d=128, 300 updates of 2048 tokens, lr 3e-3, 60 warm-up: the MoE run
-# is the translation recipe of `bash scripts/demo.sh` (4 experts, SparseClip); the dense run is the
-# same recipe without experts.
-# Both are scored with beam 4 and --no-repeat-ngram-size 3 (the demo's defaults); the dense model also
-# with the old demo setting (beam 2, no n-gram blocking).
-NMT_ARGS=(DATA="$NMT_DATA" EMBED_DIM=128 FFN_DIM=256 HEADS=4 MAX_TOKENS=2048 TOTAL_TOKENS=2048
-  LR=3e-3 WARMUP=60 MAX_UPDATE=300 LOG_INTERVAL=20 EXTRA_ARGS="--validate-interval-updates 100")
+# Dense vs X-MoE NMT at the same FLOPs per token (paper 2.2, Fig. 2): top-1 routing sends each token
+# through one expert FFN the size of the dense FFN, so 16 experts add parameters, not compute.
+# The demo's translation recipe otherwise: 2-2 layers d=128, FFN 512, experts in every 2nd layer,
+# SparseClip (vanilla clipping for the dense model, same threshold 1.0), no dropout, 600 updates of
+# 2048 tokens, lr 5e-3 inverse sqrt after 60 warm-up updates; seeds 1-3; test BLEU/chrF with beam 4
+# and --no-repeat-ngram-size 3 (the demo's decoding).
+NMT_ARGS=(DATA="$NMT_DATA" EMBED_DIM=128 FFN_DIM=512 HEADS=4 DROPOUT=0.0 MAX_TOKENS=2048 TOTAL_TOKENS=2048
+  LR=5e-3 WARMUP=60 MAX_UPDATE=600 LOG_INTERVAL=50 EXTRA_ARGS="--validate-interval-updates 200")
+nmt_eval() {
+  env SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$RUNS/$1" BEAM=4 EXTRA_ARGS="--no-repeat-ngram-size 3" \
+    bash scripts/nmt/evaluate.sh > "$RUNS/$1.eval.out" 2>&1
+}
+nmt_run() {  # CONFIG SEED: one training and its test score
+  local name="nmt_$1_s$2"
+  case "$1" in
+    dense) run "$name" nmt/train_dense.sh SEED="$2" "${NMT_ARGS[@]}" ;;
+    moe*) run "$name" nmt/train_moe.sh EXPERTS="${1#moe}" TOP_K=1 CLIP=sparse SEED="$2" "${NMT_ARGS[@]}" ;;
+  esac
+  nmt_eval "$name"
+}
 nmt() {
-  run nmt_dense nmt/train_dense.sh "${NMT_ARGS[@]}"
-  env SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$RUNS/nmt_dense" BEAM=4 \
-    EXTRA_ARGS="--no-repeat-ngram-size 3" bash scripts/nmt/evaluate.sh
-  nmt_dense_beam2
-}
-nmt_dense_beam2() {  # the old demo setting: beam 2, no n-gram blocking
-  mkdir -p "$RUNS/nmt_dense_beam2"
-  ln -sf "$RUNS/nmt_dense/checkpoint_best.pt" "$RUNS/nmt_dense/train.log" "$RUNS/nmt_dense_beam2/"
-  env SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$RUNS/nmt_dense_beam2" BEAM=2 bash scripts/nmt/evaluate.sh
-}
-nmt_moe() {  # the demo's NMT recipe (scripts/demo.sh step 5) on the data of `prep`
-  run nmt_moe4_sparse nmt/train_moe.sh EXPERTS=4 CLIP=sparse "${NMT_ARGS[@]}"
-  env SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$RUNS/nmt_moe4_sparse" BEAM=4 \
-    EXTRA_ARGS="--no-repeat-ngram-size 3" bash scripts/nmt/evaluate.sh
+  local seed
+  for seed in 1 2 3; do
+    nmt_run dense "$seed" &
+    nmt_run moe16 "$seed"
+    wait
+  done
 }
 
 # The PNGs of docs/results.md (ts-plot-logs, one directory per experiment).
@@ -74,7 +79,11 @@ plots() {
   ts-plot-logs "$RUNS"/lm_dense/train.log "$RUNS"/lm_moe16_sparse/train.log "$RUNS"/lm_moe64_sparse/train.log \
     --out-dir "$out/width"
   ts-plot-logs "$RUNS"/lm_moe64_sparse/train.log "$RUNS"/lm_moe64_vanilla/train.log --out-dir "$out/clip"
-  ts-plot-logs "$RUNS"/nmt_dense/train.log "$RUNS"/nmt_moe4_sparse/train.log --out-dir "$out/nmt"
+  local metric
+  for metric in valid_ppl routing_entropy; do
+    python docs/results/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]* --metric "$metric" \
+      --plot "$out/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null
+  done
 }
 
 case "${1:-all}" in
@@ -85,9 +94,8 @@ case "${1:-all}" in
   depth_run) depth_run "$2" "$3" ;;
   width) width ;;
   nmt) nmt ;;
-  nmt_moe) nmt_moe ;;
-  nmt_dense_beam2) nmt_dense_beam2 ;;
+  nmt_run) nmt_run "$2" "$3" ;;
   plots) plots ;;
-  all) depth; width; nmt & nmt_moe; wait; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS|width|nmt|nmt_moe|nmt_dense_beam2|plots|all" >&2; exit 2 ;;
+  all) depth; width; nmt; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS|width|nmt|nmt_run CONFIG SEED|plots|all" >&2; exit 2 ;;
 esac
