@@ -52,15 +52,17 @@ depth() {
   depth_plots
 }
 depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/results.md section 1
-  local out="$ROOT/docs/results/depth" metric layers
+  local out="$ROOT/docs/results/depth" metric layers backbone
   mkdir -p "$out"
-  python docs/results/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]* | tee "$out/table.md"
+  python docs/results/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]*/ | tee "$out/table.md"
   for metric in valid_ppl train_loss gnorm; do
-    python docs/results/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]* --plot "$out/$metric.png" \
-      --metric "$metric" --title "$metric, 3 seeds (mean, min-max band)" >/dev/null
-    for layers in 2 6 18 50; do
-      python docs/results/aggregate.py "$RUNS"/depth_*_L"$layers"_s[0-9]* --plot "$out/${metric}_L$layers.png" \
+    for layers in 2 6 18 50; do  # the three backbones at one depth
+      python docs/results/aggregate.py "$RUNS"/depth_*_L"$layers"_s[0-9]*/ --plot "$out/${metric}_L$layers.png" \
         --metric "$metric" --title "$metric, $layers layers, 3 seeds (mean, min-max band)" >/dev/null
+    done
+    for backbone in postln deepnorm magneto; do  # one backbone at every depth
+      python docs/results/aggregate.py "$RUNS"/depth_"$backbone"_L{2,6,18,50}_s[0-9]*/ --plot "$out/${metric}_$backbone.png" \
+        --metric "$metric" --title "$metric, $backbone, 3 seeds (mean, min-max band)" >/dev/null
     done
   done
 }
