@@ -70,7 +70,7 @@ width() {
 
 # SparseClip (paper 2.3, Fig. 3-4): a regime where expert gradients are as large as the dense ones at
 # the start: 64 experts (top-2, capacity 2) in every layer, expert FFN 2048 on d=64 (4 layers, 2
-# heads; 33.6M expert vs 0.5M dense parameters), 300 updates of 8 x 128 tokens, lr 3e-3, 20 warm-up,
+# heads; 68.7M expert vs 0.33M shared parameters), 300 updates of 8 x 128 tokens, lr 3e-3, 20 warm-up,
 # clip threshold 0.5 (hit by both in the first tens of updates). Vanilla clipping is the same
 # sparse_clip optimizer with kappa 1 (= --optimizer adam with --clip-norm, checked: identical
 # losses), so both runs log the dense and expert gradient norms.
@@ -122,11 +122,11 @@ agg_plots() {  # OUT_DIR RUN_DIR... : one PNG per metric of $AGG_METRICS
 }
 width_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping" \
-    agg_plots "$ROOT/docs/results/width" "$RUNS"/width_{dense,moe8,moe32}_s[0-9]*
+    agg_plots "$ROOT/docs/results/width" "$RUNS"/width_{dense,moe8,moe32}_s*/
 }
 clip_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping gnorm gnorm_dense gnorm_expert" \
-    agg_plots "$ROOT/docs/results/clip" "$RUNS"/clip_{sparse,vanilla}_s[0-9]*
+    agg_plots "$ROOT/docs/results/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
 }
 
 # The PNGs of docs/results.md (ts-plot-logs, one directory per experiment).
