@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|width|nmt|plots   (or all; WORK=/tmp/results-work)
-# Two trainings run side by side (OMP_NUM_THREADS=1 each; JOBS=1 runs the stages that use `sched`
-# one at a time); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment
-# overrides, so each line below is one reproducible command.
+#   bash docs/results/run.sh prep|depth|width|clip|nmt|plots   (or all; WORK=/tmp/results-work)
+# Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
+# the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
+# so each line below is one reproducible command.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -25,11 +25,12 @@ run() {
   echo "$name exit $? $(date -u +%H:%M:%S)"
 }
 
-# sched NAME SCRIPT VAR=VALUE...: `run` in the background, at most $JOBS at a time (`wait` for the rest).
+# sched COMMAND...: COMMAND in the background, at most $JOBS at a time (`wait` for the rest).
 sched() {
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-  run "$@" &
+  "$@" &
 }
+SEEDS=(1 2 3)
 
 # Post-LN vs DeepNorm vs Magneto at 2, 6, 18 and 50 layers, seeds 1-3: d=64 (FFN 128, 2 heads) decoder-only
 # LM on the SentencePiece-4000 data, 64-token samples, 8 per update, lr DEPTH_LR with NO warm-up,
@@ -39,7 +40,7 @@ DEPTH_LR="${DEPTH_LR:-5e-3}"
 DEPTH_ARGS=(DATA="$SPM_LM_DATA" EMBED_DIM=64 FFN_DIM=128 HEADS=2 LR="$DEPTH_LR" WARMUP=0 MAX_UPDATE=300
   DROPOUT=0 CLIP_NORM=0 LOG_INTERVAL=10 EXTRA_ARGS="--validate-interval-updates 50 --max-valid-steps 30")
 depth_run() {  # depth_run BACKBONE LAYERS SEED (in the background, $JOBS at a time)
-  sched "depth_$1_L$2_s$3" lm/train_dense.sh BACKBONE="$1" LAYERS="$2" SEED="$3" "${DEPTH_ARGS[@]}"
+  sched run "depth_$1_L$2_s$3" lm/train_dense.sh BACKBONE="$1" LAYERS="$2" SEED="$3" "${DEPTH_ARGS[@]}"
 }
 depth() {
   local layers backbone seed
@@ -67,13 +68,44 @@ depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/r
   done
 }
 
-# Dense vs 16 vs 64 experts (X-MoE top-2, every 2nd layer, SparseClip), and 64 experts with vanilla
-# clipping: 4-layer d=64 Magneto LM, lr 5e-3, 20 warm-up, 100 updates, clip norm 1.0 everywhere.
-MOE_ARGS=(DATA="$LM_DATA" BACKBONE=magneto LAYERS=4 LR=5e-3 WARMUP=20 MAX_UPDATE=100 LOG_INTERVAL=10
-  CLIP_NORM=1.0 EXTRA_ARGS="--validate-interval-updates 50 --max-valid-steps 8")
+# Width (paper 2.1, Fig. 1b): dense vs 8 vs 32 experts at the same FLOPs per token: top-1 routing
+# (each token through one expert as wide as the dense FFN), X-MoE router, MoE in every 2nd layer.
+# 4-layer Magneto LM d=128 ffn=512 4 heads, SentencePiece 4000 vocabulary, 200 updates of 32 x 128
+# tokens (1.2 epochs), lr 3e-3, 20 warm-up; clipping at 1.0 (SparseClip for MoE, vanilla for dense);
+# validation on the whole valid split every 50 updates.
+WIDTH_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto LAYERS=4 EMBED_DIM=128 FFN_DIM=512 HEADS=4
+  TOKENS_PER_SAMPLE=128 TOTAL_BATCH=32 BATCH_SIZE=32 LR=3e-3 WARMUP=20 MAX_UPDATE=200 LOG_INTERVAL=10
+  CLIP_NORM=1.0 EXTRA_ARGS="--validate-interval-updates 50")
+width_run() {  # CONFIG (dense|moeE) SEED
+  case "$1" in
+    dense) run "width_dense_s$2" lm/train_dense.sh "${WIDTH_ARGS[@]}" SEED="$2" ;;
+    moe*) run "width_$1_s$2" lm/train_moe.sh EXPERTS="${1#moe}" TOP_K=1 MOE_FREQ=2 CLIP=sparse \
+      "${WIDTH_ARGS[@]}" SEED="$2" ;;
+  esac
+}
 width() {
-  { run lm_dense lm/train_dense.sh "${MOE_ARGS[@]}"; run lm_moe64_sparse lm/train_moe.sh EXPERTS=64 CLIP=sparse "${MOE_ARGS[@]}"; } &
-  { run lm_moe16_sparse lm/train_moe.sh EXPERTS=16 CLIP=sparse "${MOE_ARGS[@]}"; run lm_moe64_vanilla lm/train_moe.sh EXPERTS=64 CLIP=vanilla "${MOE_ARGS[@]}"; } &
+  local c s
+  for s in "${SEEDS[@]}"; do for c in dense moe8 moe32; do sched width_run "$c" "$s"; done; done
+  wait
+}
+
+# SparseClip (paper 2.3, Fig. 3-4): a regime where expert gradients are as large as the dense ones at
+# the start: 64 experts (top-2, capacity 2) in every layer, expert FFN 2048 on d=64 (4 layers, 2
+# heads; 68.7M expert vs 0.33M shared parameters), 300 updates of 8 x 128 tokens, lr 3e-3, 20 warm-up,
+# clip threshold 0.5 (hit by both in the first tens of updates). Vanilla clipping is the same
+# sparse_clip optimizer with kappa 1 (= --optimizer adam with --clip-norm, checked: identical
+# losses), so both runs log the dense and expert gradient norms.
+CLIP_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto LAYERS=4 EMBED_DIM=64 FFN_DIM=2048 HEADS=2
+  TOKENS_PER_SAMPLE=128 TOTAL_BATCH=8 BATCH_SIZE=8 LR=3e-3 WARMUP=20 MAX_UPDATE=300 LOG_INTERVAL=5
+  EXPERTS=64 MOE_FREQ=1 TOP_K=2 CLIP=sparse CLIP_NORM=0.5)
+clip_run() {  # CONFIG (sparse|vanilla) SEED
+  local extra="--validate-interval-updates 50 --moe-capacity-factor 2"
+  [ "$1" = vanilla ] && extra+=" --sparse-clip-kappa 1"
+  run "clip_$1_s$2" lm/train_moe.sh "${CLIP_ARGS[@]}" SEED="$2" EXTRA_ARGS="$extra"
+}
+clip() {
+  local c s
+  for s in "${SEEDS[@]}"; do for c in sparse vanilla; do sched clip_run "$c" "$s"; done; done
   wait
 }
 
@@ -98,24 +130,37 @@ nmt_run() {  # CONFIG SEED: one training and its test score
   nmt_eval "$name"
 }
 nmt() {
-  local seed
-  for seed in 1 2 3; do
-    nmt_run dense "$seed" &
-    nmt_run moe16 "$seed"
-    wait
-  done
+  local c s
+  for s in "${SEEDS[@]}"; do for c in dense moe16; do sched nmt_run "$c" "$s"; done; done
+  wait
+}
+
+# Mean curves with a min-max band over the seeds (docs/results/aggregate.py), and the tables of
+# docs/results.md sections 2-3.
+agg_plots() {  # OUT_DIR RUN_DIR... : one PNG per metric of $AGG_METRICS
+  local out="$1" m
+  shift
+  python docs/results/aggregate.py "$@"
+  for m in $AGG_METRICS; do python docs/results/aggregate.py "$@" --plot "$out/$m.png" --metric "$m" >/dev/null; done
+}
+width_plots() {
+  AGG_METRICS="valid_ppl train_loss routing_entropy clipping" \
+    agg_plots "$ROOT/docs/results/width" "$RUNS"/width_{dense,moe8,moe32}_s*/
+}
+clip_plots() {
+  AGG_METRICS="valid_ppl train_loss routing_entropy clipping gnorm gnorm_dense gnorm_expert" \
+    agg_plots "$ROOT/docs/results/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
 }
 
 # The PNGs of docs/results.md (ts-plot-logs, one directory per experiment).
 plots() {
   local out="$ROOT/docs/results"
   depth_plots
-  ts-plot-logs "$RUNS"/lm_dense/train.log "$RUNS"/lm_moe16_sparse/train.log "$RUNS"/lm_moe64_sparse/train.log \
-    --out-dir "$out/width"
-  ts-plot-logs "$RUNS"/lm_moe64_sparse/train.log "$RUNS"/lm_moe64_vanilla/train.log --out-dir "$out/clip"
+  width_plots
+  clip_plots
   local metric
   for metric in valid_ppl routing_entropy; do
-    python docs/results/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]* --metric "$metric" \
+    python docs/results/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]*/ --metric "$metric" \
       --plot "$out/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null
   done
 }
@@ -129,9 +174,14 @@ case "${1:-all}" in
   depth_run) depth_run "$2" "$3" "${4:-1}"; wait ;;
   depth_plots) depth_plots ;;
   width) width ;;
+  width_run) width_run "$2" "$3" ;;
+  clip) clip ;;
+  clip_run) clip_run "$2" "$3" ;;
   nmt) nmt ;;
   nmt_run) nmt_run "$2" "$3" ;;
+  width_plots) width_plots ;;
+  clip_plots) clip_plots ;;
   plots) plots ;;
-  all) depth; width; nmt; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|nmt|nmt_run CONFIG SEED|plots|all" >&2; exit 2 ;;
+  all) depth; width; clip; nmt; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|nmt|nmt_run CONFIG SEED|plots|all" >&2; exit 2 ;;
 esac
