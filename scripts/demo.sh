@@ -72,6 +72,12 @@ PLOT_DIR="${PLOT_DIR:-checkpoints/demo_plots}"
 PY="$VENV/bin/python"
 USER_DIR="$ROOT/torchscale_fairseq"
 say() { echo "[demo] $*"; }
+for flag in SKIP_INSTALL NMT PARALLEL; do
+  case "${!flag}" in
+    0|1) ;;
+    *) echo "[demo] error: $flag=${!flag}: set it to 0 or 1" >&2; exit 2 ;;
+  esac
+done
 
 if [ "$SKIP_INSTALL" != 1 ]; then
   say "installing into $VENV"

@@ -168,6 +168,7 @@ def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
         ("lm/train_dense.sh", {"DATA": str(tmp_path)}, f"{tmp_path}/dict.txt not found"),
         ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
         ("nmt/evaluate.sh", {}, "set SAVE_DIR"),
+        ("demo.sh", {"PARALLEL": "yes"}, "PARALLEL=yes: set it to 0 or 1"),
     ):
         proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), capture_output=True,
                               text=True, timeout=120)
