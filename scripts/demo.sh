@@ -18,7 +18,8 @@
 #      and print a summary table. NMT=0 skips the translation part.
 # Defaults (docs/results.md, section 5: timing, numbers and every configuration tried): 1200 LM updates
 # of 8 x 128 tokens (lr 4e-3, linear decay, weight decay 0.3, no dropout) beside 1600 NMT updates of
-# 2048 tokens (d=128, FFN 512, lr 5e-3, no dropout), beam 4; about 15 minutes on 2 CPU cores.
+# 2048 tokens (d=128, FFN 512, lr 5e-3, no dropout), beam 4: 10 min 24 s from a fresh clone on 2 idle
+# CPU cores (install with a warm pip cache included), LM 3.17x below unigram perplexity, test BLEU 10.5.
 # Every knob is an environment variable, e.g.  MAX_UPDATE=50 PROMPT="In 1905," bash scripts/demo.sh
 set -euo pipefail
 trap 'echo "[demo] error: the step at scripts/demo.sh line $LINENO failed; see the output above" >&2' ERR
