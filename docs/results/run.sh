@@ -9,7 +9,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 WORK="${WORK:-/tmp/results-work}"
 export PATH="$ROOT/.venv/bin:$PATH" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SCALE=tiny
-LM_DATA="$WORK/data/enwiki_gpt2"
 SPM_LM_DATA="$WORK/data/enwiki_spm4k"
 JOBS="${JOBS:-2}"
 NMT_DATA="$WORK/data/kjv_sparv_spm"
@@ -167,7 +166,6 @@ plots() {
 
 case "${1:-all}" in
   prep)
-    python -m data_prep.prepare_lm --out-dir "$LM_DATA"
     python -m data_prep.prepare_lm --out-dir "$SPM_LM_DATA" --spm-vocab 4000
     python -m data_prep.prepare_nmt --out-dir "$NMT_DATA" --vocab-size 4000 --force ;;
   depth) depth ;;
