@@ -1,6 +1,7 @@
 """A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
 ``all_gather``, ``all_to_all_single`` and the sequence-parallel ``all_gather_single`` /
-``reduce_scatter_single`` while active and records ``(collective, direction, numel)`` for
+``reduce_scatter_single`` (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch <= 2.12,
+recorded under the new names) while active and records ``(collective, direction, numel)`` for
 each call, ``direction`` being ``backward`` inside an autograd backward pass (which
 includes what activation checkpointing recomputes there); ``numel`` counts the input."""
 
@@ -12,24 +13,27 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-RECORDED = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
+# attribute of torch.distributed -> the name it is recorded under
+RECORDED = {name: name for name in ("all_reduce", "all_gather", "all_to_all_single", "all_gather_single",
+                                    "reduce_scatter_single")}
+RECORDED.update(all_gather_into_tensor="all_gather_single", reduce_scatter_tensor="reduce_scatter_single")
 
 
 @contextlib.contextmanager
 def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
     log: list[tuple[str, str, int]] = []
-    originals = {name: getattr(dist, name) for name in RECORDED}
+    originals = {name: getattr(dist, name) for name in RECORDED if hasattr(dist, name)}
 
     def recorder(name: str):
         def call(first, *args, **kwargs):
             tensor = first if name == "all_reduce" else args[0]
             direction = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            log.append((name, direction, tensor.numel()))
+            log.append((RECORDED[name], direction, tensor.numel()))
             return originals[name](first, *args, **kwargs)
 
         return call
 
-    for name in RECORDED:
+    for name in originals:
         setattr(dist, name, recorder(name))
     try:
         yield log

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchscale_fairseq.model_parallel.collectives import all_gather_into, reduce_scatter_into
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
 
 
@@ -48,7 +49,7 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     autograd)."""
     local = x.transpose(0, 1).contiguous()
     out = local.new_empty((local.size(0) * group_size(group), *local.shape[1:]))
-    dist.all_gather_single(out, local, group=group)
+    all_gather_into(out, local, group)
     return out.transpose(0, 1)
 
 
@@ -57,7 +58,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     autograd)."""
     full = x.transpose(0, 1).contiguous()
     out = full.new_empty((full.size(0) // group_size(group), *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, group=group)
+    reduce_scatter_into(out, full, group)
     return out.transpose(0, 1)
 
 
