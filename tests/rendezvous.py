@@ -1,0 +1,20 @@
+"""Where the ranks of a multi-process test meet: a file, never a guessed port.
+
+``free port`` helpers (bind to 0, close, pass the number on) race: another launch may take the
+port before rank 0 binds it. A ``file://`` init method in the test's own directory cannot
+collide; torch's ``FileStore`` creates it, and each launch (a restart included) gets a new name,
+since a killed run leaves its file behind. Gloo then connects the ranks on ports the OS assigns.
+torchrun launches use ``--standalone`` (its agent binds port 0 and hands the workers its store).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+
+def rendezvous_url(directory: Path | str) -> str:
+    """A ``file://`` init method in ``directory`` that no other launch uses."""
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    return (directory / f"rendezvous-{uuid.uuid4().hex}").as_uri()
