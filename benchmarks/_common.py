@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the benchmarks share tests/ helpers (tests.rendezvous)
+    sys.path.insert(0, str(REPO))
 USER_DIR = REPO / "torchscale_fairseq"
 BIN = Path(sys.executable).parent
 

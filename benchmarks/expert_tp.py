@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.rendezvous import rendezvous_url  # noqa: E402
 from torchscale_fairseq.model_parallel import process_groups as groups  # noqa: E402
 from torchscale_fairseq.model_parallel.attributes import is_expert  # noqa: E402
 from torchscale_fairseq.modules.moe.config import MoEConfig  # noqa: E402
@@ -47,9 +49,9 @@ def step(layer: MoELayer, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
+def worker(rank: int, args: argparse.Namespace, init_method: str) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     groups.initialize_model_parallel(2)
     tp = groups.get_tensor_parallel_group()
     for tokens, d, f, e in SIZES:
@@ -83,13 +85,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs, torch {torch.__version__}", flush=True)
-    mp.spawn(worker, args=(args, port), nprocs=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args, rendezvous_url(tmp)), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -117,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     from torchscale_fairseq.modules.backbone import build_backbone
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
+    dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.world)
     initialize_model_parallel(args.world)
     rows = []
     for backbone, recompute, sequence_parallel in configurations(args.world):
@@ -145,13 +144,12 @@ def configurations(t: int) -> list[tuple[str, str, bool]]:
 
 
 def measure(t: int, seq: int, batch: int, dtype: str) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.rendezvous import rendezvous_url
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         base = [sys.executable, __file__, "--seq", str(seq), "--batch", str(batch), "--dtype", dtype,
-                "--world", str(t), "--port", str(port), "--out", str(out)]
+                "--world", str(t), "--init-method", rendezvous_url(tmp), "--out", str(out)]
         procs = [subprocess.Popen([*base, "--rank", str(r)]) for r in range(t)]
         if any(p.wait() != 0 for p in procs):
             raise SystemExit(f"a rank of the t={t} run failed")
@@ -210,7 +208,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int)
-    parser.add_argument("--port", type=int)
+    parser.add_argument("--init-method")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.rank is not None:

@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> None:
     from torchscale_fairseq.modules.backbone import build_backbone
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
+    dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=2)
     initialize_model_parallel(2)
     b, s, h = args.batch, args.seq, args.hidden
     rows = {}
@@ -90,22 +90,21 @@ def main() -> None:
     for name, default in (("batch", 4), ("seq", 128), ("hidden", 512), ("ffn", 2048), ("heads", 8)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--rank", type=int)
-    parser.add_argument("--port", type=int)
+    parser.add_argument("--init-method")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.rank is not None:
         worker(args)
         return
-    import socket
+    from tests.rendezvous import rendezvous_url
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         base = [sys.executable, __file__, *sum(([f"--{k}", str(getattr(args, k))] for k in
                                                 ("batch", "seq", "hidden", "ffn", "heads")), [])]
-        procs = [subprocess.Popen([*base, "--rank", str(r), "--port", str(port), "--out", str(out)]) for r in range(2)]
+        init_method = rendezvous_url(tmp)
+        procs = [subprocess.Popen([*base, "--rank", str(r), "--init-method", init_method, "--out", str(out)])
+                 for r in range(2)]
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("a rank failed")
         print(table(json.loads(out.read_text()), args.batch, args.seq, args.hidden))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,11 @@ from pathlib import Path
 
 from _common import USER_DIR, load_average, median, now, preprocess_lm, tool, train_inner_logs, write_lm_corpus
 
+from tests.rendezvous import rendezvous_url
+
 MODEL = ["--arch", "ts_lm", "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-attention-heads", "8",
          "--decoder-ffn-embed-dim", "1024", "--backbone", "magneto"]
 SETTINGS = ((1, 1), (1, 2), (2, 1))  # (tensor-parallel size, threads per process)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(data: Path, save: Path, tp: int, threads: int, updates: int) -> list[dict]:
@@ -39,12 +34,12 @@ def train(data: Path, save: Path, tp: int, threads: int, updates: int) -> list[d
             "--lr", "1e-4", "--dropout", "0.1", "--cpu", "--log-format", "json", "--log-interval", "1", "--no-save",
             "--disable-validation", "--model-parallel-size", str(tp), "--save-dir", str(save)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-    port = free_port()
+    init_method = rendezvous_url(save)
     procs = []
     for rank in range(tp):
         dist = [] if tp == 1 else [
             "--distributed-world-size", str(tp), "--distributed-rank", str(rank), "--distributed-no-spawn",
-            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo"]
+            "--distributed-init-method", init_method, "--distributed-backend", "gloo"]
         procs.append(subprocess.Popen([*args, *dist], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=env))
     outputs = [p.communicate()[0] for p in procs]

@@ -5,7 +5,9 @@
 # EXTRA_ARGS is appended (word-split) to the fairseq command.
 #
 # Launch: NNODES x NPROC_PER_NODE processes through torchrun (NODE_RANK, MASTER_ADDR, MASTER_PORT)
-# when more than one; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
+# when more than one; on one node without MASTER_PORT, `torchrun --standalone` (its agent binds a
+# port the OS assigns and keeps it: concurrent jobs never collide); across nodes MASTER_PORT
+# defaults to 29500; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
 # environment (start the script with srun, one task per GPU). MP = tensor-parallel size (NPROC_PER_NODE
 # defaults to MP); at MP > 1 fairseq writes one checkpoint part per tensor-parallel rank
 # (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over data-parallel ranks),
@@ -48,9 +50,10 @@ NNODES="${NNODES:-1}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$MP}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
+MASTER_PORT="${MASTER_PORT:-}"
 SLURM="${SLURM:-0}"
-for v in NNODES NPROC_PER_NODE NODE_RANK MASTER_PORT; do ts_int "$v"; done
+for v in NNODES NPROC_PER_NODE NODE_RANK; do ts_int "$v"; done
+[ -z "$MASTER_PORT" ] || ts_int MASTER_PORT
 WORLD=$((NNODES * NPROC_PER_NODE))
 [ "$WORLD" -ge 1 ] || die "NNODES x NPROC_PER_NODE must be at least 1"
 [ $((WORLD % MP)) = 0 ] || die "MP=$MP does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
@@ -82,10 +85,13 @@ ts_launch() {
   shift
   [ -x "$tool" ] || die "$tool not found; fix: bash scripts/install.sh"
   if [ "$SLURM" = 1 ]; then
-    "$tool" "$@" --distributed-port "$MASTER_PORT"
+    "$tool" "$@" --distributed-port "${MASTER_PORT:-29500}"
+  elif [ "$WORLD" -gt 1 ] && [ "$NNODES" = 1 ] && [ -z "$MASTER_PORT" ]; then
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC_PER_NODE" \
+      "$tool" "$@" --distributed-world-size "$WORLD"
   elif [ "$WORLD" -gt 1 ]; then
     "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
-      --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+      --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
       "$tool" "$@" --distributed-world-size "$WORLD"
   else
     "$tool" "$@"

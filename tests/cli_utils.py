@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -41,12 +40,6 @@ def run_many(cmds: Sequence[Sequence[str]], check: bool = True) -> List[subproce
     thread, and mostly fairseq's import); results in the order of ``cmds``."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         return list(pool.map(lambda cmd: run(cmd, check=check), cmds))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sentence(rng: random.Random, words: List[str]) -> List[str]:

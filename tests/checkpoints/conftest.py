@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, free_port, launch, wait_all
+from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, launch, wait_all
+from tests.rendezvous import rendezvous_url
 
 WORLD, TP = 4, 2
 TRAIN = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
@@ -24,12 +25,12 @@ TRAIN = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim",
 def tp_ep_run(lm_data, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tp_ep")
     save, reference = root / "ck", root / "reference.pt"
-    port = free_port()
+    init_method = rendezvous_url(root)
     procs, logs = [], []
     for rank in range(WORLD):
         log = root / f"rank{rank}.log"
         cmd = [sys.executable, "-m", "tests.checkpoints.tp_ep_worker", str(reference), "fairseq-train", str(lm_data),
-               *TRAIN, "--save-dir", str(save), "--user-dir", str(USER_DIR), *dist_flags(WORLD, rank, port)]
+               *TRAIN, "--save-dir", str(save), "--user-dir", str(USER_DIR), *dist_flags(WORLD, rank, init_method)]
         procs.append(launch(cmd, log))
         logs.append(log)
     wait_all(procs, logs, timeout=600)

@@ -15,7 +15,6 @@ import pytest
 import sacrebleu
 
 from data_prep import prepare_lm, prepare_nmt, unigram_ppl
-from tests.cli_utils import free_port
 from tests.experiments.test_prepare_nmt import EN, ES
 from torchscale_fairseq.cli import plot_logs
 
@@ -63,10 +62,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saves = {name: root / name for name in TRAININGS}
     common = {"MAX_UPDATE": "3", "LOG_INTERVAL": "1"}
     data = {name: str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")) for name in TRAININGS}
-    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]), MASTER_PORT=str(free_port()),
+    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]),
                           **common, **extra) for name, (script, extra) in TRAININGS.items()})
     _finish({name: _start(f"{name.split('_')[0]}/evaluate.sh", DATA=data[name], SAVE_DIR=str(saves[name]), BEAM="1",
-                          MAX_LEN_B="8", MP=extra.get("MP", "1"), MASTER_PORT=str(free_port()))
+                          MAX_LEN_B="8", MP=extra.get("MP", "1"))
              for name, (_, extra) in TRAININGS.items()})
     return saves
 

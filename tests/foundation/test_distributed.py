@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, free_port, json_logs, run, tool
+from tests.cli_utils import LM_TRAIN, USER_DIR, json_logs, run, tool
+from tests.rendezvous import rendezvous_url
 
 COMMON = [*LM_TRAIN, "--arch", "ts_lm_tiny", "--max-update", "8", "--no-save", "--disable-validation",
           "--dropout", "0.0", "--log-interval", "1", "--batch-size", "8"]
@@ -27,12 +28,12 @@ def single_process_losses(lm_data, tmp_path_factory):
 
 
 def test_two_gloo_processes_match_single_process(lm_data, tmp_path, single_process_losses):
-    port = free_port()
+    init_method = rendezvous_url(tmp_path)
     procs = [
         subprocess.Popen(
             [tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, "--save-dir", str(tmp_path), *COMMON,
              "--distributed-backend", "gloo", "--distributed-world-size", "2", "--distributed-rank", str(rank),
-             "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+             "--distributed-init-method", init_method, "--distributed-no-spawn",
              "--ddp-backend", "legacy_ddp"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
@@ -46,7 +47,7 @@ def test_two_gloo_processes_match_single_process(lm_data, tmp_path, single_proce
 
 
 def test_torchrun_two_processes_on_cpu(lm_data, tmp_path, single_process_losses):
-    proc = run([tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), tool("fairseq-train"),
+    proc = run([tool("torchrun"), "--nproc_per_node", "2", "--standalone", tool("fairseq-train"),
                 lm_data, "--user-dir", USER_DIR, "--save-dir", tmp_path, *COMMON, "--distributed-backend", "gloo"])
     got = losses(proc.stdout + proc.stderr)
     assert len(got) == 8

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.cli_utils import REPO, run, run_many
-from tests.model_parallel.mp_helpers import free_port, run_worker_ranks
+from tests.model_parallel.mp_helpers import run_worker_ranks
+from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.model_parallel import process_groups
 from torchscale_fairseq.model_parallel import random as tp_random
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
@@ -53,8 +54,8 @@ def test_expert_parallel_on_cuda_equals_single_process(tmp_path, lm_data):
         assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
 
 
-def test_nccl_collectives_at_world_size_one():
-    proc = run([sys.executable, "-m", "tests.gpu.nccl_worker", str(free_port())], cwd=REPO)
+def test_nccl_collectives_at_world_size_one(tmp_path):
+    proc = run([sys.executable, "-m", "tests.gpu.nccl_worker", rendezvous_url(tmp_path)], cwd=REPO)
     assert "ok" in proc.stdout
 
 

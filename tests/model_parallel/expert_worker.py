@@ -1,6 +1,6 @@
 """One rank of the split-experts layer check (run by ``test_mp_experts.py``).
 
-``python expert_worker.py RANK WORLD PORT OUT``: WORLD = 4 ranks, tensor-parallel size 2
+``python expert_worker.py RANK WORLD INIT_METHOD OUT``: WORLD = 4 ranks, tensor-parallel size 2
 (TP groups {0, 1}, {2, 3}; data-parallel groups {0, 2}, {1, 3}), 4 experts spread over the
 2 data-parallel ranks. Every MoE layer (split and replicated experts, two configurations) is
 compared with the single-process layer built with the same seed, run on each data-parallel
@@ -168,9 +168,9 @@ def dropout_streams() -> dict[str, dict[str, bool]]:
 
 
 def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     groups.initialize_model_parallel(TP)
     model_parallel_seed(9, groups.get_tensor_parallel_rank(), TP)
     results: dict = {}

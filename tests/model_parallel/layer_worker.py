@@ -1,6 +1,6 @@
 """One rank of the layer-level tensor-parallel checks (run by ``test_mp_layers.py``).
 
-``python layer_worker.py RANK WORLD PORT OUT [DEVICE]``: every parallel layer at N = WORLD is
+``python layer_worker.py RANK WORLD INIT_METHOD OUT [DEVICE]``: every parallel layer at N = WORLD is
 compared, forward and backward, with its dense PyTorch counterpart built from the same
 full weights (the N = 1 build with the same seed); rank 0 writes the maximum absolute
 errors and the recorded collectives as JSON to ``OUT``. It also records every dropout
@@ -399,10 +399,10 @@ def check_selective_recompute(rank: int, world: int, sequence_parallel: bool) ->
 
 
 def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_default_device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     dense = {
         "column": seeded(11, lambda: ColumnParallelLinear(16, 24, stride=3)),
         "row": seeded(12, lambda: RowParallelLinear(24, 16)),

@@ -1,16 +1,17 @@
-"""Helpers of the tensor-parallel tests: free ports, one subprocess per rank (gloo on
-CPU, the flags a user passes), tiny corpora, parsing fairseq logs."""
+"""Helpers of the tensor-parallel tests: one subprocess per rank (gloo on CPU, the flags a
+user passes, a ``file://`` rendezvous), tiny corpora, parsing fairseq logs."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.rendezvous import rendezvous_url
 
 REPO = Path(__file__).resolve().parents[2]
 USER_DIR = REPO / "torchscale_fairseq"
@@ -19,18 +20,14 @@ UNROUNDED = Path(__file__).resolve().parent / "unrounded_cli.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dist_flags(world: int, rank: int, port: int) -> list[str]:
+def dist_flags(world: int, rank: int, init_method: str) -> list[str]:
+    """fairseq's flags for rank ``rank`` of ``world`` meeting at ``init_method``
+    (:func:`~tests.rendezvous.rendezvous_url`)."""
     if world == 1:
         return []
     return [
         "--distributed-world-size", str(world), "--distributed-rank", str(rank),
-        "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+        "--distributed-init-method", init_method, "--distributed-no-spawn",
         "--distributed-backend", "gloo",
     ]
 
@@ -48,12 +45,12 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 3
 
 
 def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: float = 180) -> dict:
-    """Run ``python WORKER RANK WORLD PORT OUT.json [EXTRA...]`` on ``world`` gloo ranks
-    (logs in ``out``); return the JSON rank 0 wrote."""
-    port = free_port()
+    """Run ``python WORKER RANK WORLD INIT_METHOD OUT.json [EXTRA...]`` on ``world`` gloo
+    ranks (logs in ``out``); return the JSON rank 0 wrote."""
+    init_method = rendezvous_url(out)
     result = out / "results.json"
     logs = [out / f"rank{r}.log" for r in range(world)]
-    procs = [launch([sys.executable, str(worker), str(r), str(world), str(port), str(result), *extra], logs[r])
+    procs = [launch([sys.executable, str(worker), str(r), str(world), init_method, str(result), *extra], logs[r])
              for r in range(world)]
     wait_all(procs, logs, timeout=timeout)
     return json.loads(result.read_text())
@@ -62,12 +59,12 @@ def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: 
 def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
     """Start ``world`` processes of the fairseq console tool ``tool``; return their logs
     (call :func:`wait_all` on ``.procs``)."""
-    port = free_port()
+    init_method = rendezvous_url(out)
     logs, procs = [], []
     for rank in range(world):
         log = out / f"{tool}.{rank}.log"
         cmd = [sys.executable, str(UNROUNDED), tool] if unrounded else [str(BIN / tool)]
-        procs.append(launch([*cmd, *args, "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, rank, port)], log))
+        procs.append(launch([*cmd, *args, "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, rank, init_method)], log))
         logs.append(log)
     fairseq_ranks.procs = procs
     return logs

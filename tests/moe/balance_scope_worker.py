@@ -1,11 +1,10 @@
 """Two gloo ranks run one MoE layer on different token counts with each
 ``--moe-balance-scope``; each rank checks ``balance_loss`` against the definition computed
 by hand from both ranks' tokens (regenerated from the seed, no communication).
-Usage: ``python -m tests.moe.balance_scope_worker PORT``."""
+Usage: ``python -m tests.moe.balance_scope_worker INIT_METHOD``."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -27,9 +26,8 @@ def hand_balance(probs: torch.Tensor, first: torch.Tensor) -> float:
     return EXPERTS * total
 
 
-def worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank: int, init_method: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -64,4 +62,4 @@ def worker(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=2)
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)

@@ -1,6 +1,6 @@
 """One rank of the activation-checkpointing checks (run by ``test_moe_checkpointing.py``).
 
-``python -m tests.moe.ckpt_worker RANK WORLD TP PORT OUT``: on ``WORLD`` gloo ranks with
+``python -m tests.moe.ckpt_worker RANK WORLD TP INIT_METHOD OUT``: on ``WORLD`` gloo ranks with
 tensor-parallel size ``TP`` (``TP = 1``: the MoE experts are spread over the 2 data-parallel
 ranks, tokens cross ranks by all-to-all), every model of :data:`MODELS` takes one training
 step (criterion forward, backward) twice from the same seed, without and with
@@ -116,9 +116,9 @@ def count(log: list, what: str) -> dict[str, int]:
 
 
 def main() -> None:
-    rank, world, tp, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    rank, world, tp, init_method, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     groups.initialize_model_parallel(tp)
     dictionary = model_utils.dictionary(40)
     results: dict = {"moe_layers": 2}

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from tests.rendezvous import rendezvous_url
 
 USER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "torchscale_fairseq")
@@ -36,7 +39,7 @@ def sample_of(tokens: torch.Tensor) -> dict:
     }
 
 
-def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[str]) -> None:
+def worker(rank: int, world: int, init_method: str, out: str, data: str, extra: list[str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from fairseq import options, tasks, utils
@@ -55,7 +58,7 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
     cfg = convert_namespace_to_omegaconf(args)
     if world > 1:
         cfg.distributed_training.distributed_rank = rank
-        cfg.distributed_training.distributed_init_method = f"tcp://127.0.0.1:{port}"
+        cfg.distributed_training.distributed_init_method = init_method
         distributed_utils.distributed_init(cfg)
     utils.set_torch_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
@@ -111,11 +114,11 @@ def worker(rank: int, world: int, port: int, out: str, data: str, extra: list[st
 
 def main(argv: list[str]) -> None:
     out, world, data, extra = argv[0], int(argv[1]), argv[2], argv[3:]
-    port = 20000 + os.getpid() % 20000
+    init_method = rendezvous_url(Path(out).parent)
     if world == 1:
-        worker(0, 1, port, out, data, extra)
+        worker(0, 1, init_method, out, data, extra)
     else:
-        mp.spawn(worker, args=(world, port, out, data, extra), nprocs=world)
+        mp.spawn(worker, args=(world, init_method, out, data, extra), nprocs=world)
 
 
 if __name__ == "__main__":

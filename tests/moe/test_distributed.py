@@ -13,12 +13,12 @@ from tests.cli_utils import (
     LM_TRAIN,
     MT_TRAIN,
     USER_DIR,
-    free_port,
     json_logs,
     run,
     run_many,
     tool,
 )
+from tests.rendezvous import rendezvous_url
 
 TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32",
            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2"]
@@ -26,8 +26,8 @@ MOE = ["--moe-expert-count", "4", "--moe-freq", "2"]
 
 
 def _torchrun(args: list, timeout: int = 300):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), tool("fairseq-train"), *args, "--distributed-world-size", "2",
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                tool("fairseq-train"), *args, "--distributed-world-size", "2",
                 "--distributed-backend", "gloo", "--num-workers", "0"], timeout=timeout)
 
 
@@ -62,9 +62,9 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
         assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
 
 
-def test_balance_scope_against_its_definition():
+def test_balance_scope_against_its_definition(tmp_path):
     """Each rank's balance loss (both scopes) against the formula computed by hand."""
-    run([sys.executable, "-m", "tests.moe.balance_scope_worker", str(free_port())], timeout=120)
+    run([sys.executable, "-m", "tests.moe.balance_scope_worker", rendezvous_url(tmp_path)], timeout=120)
 
 
 def test_local_balance_scope_equals_update_freq(tmp_path, lm_data):
@@ -134,6 +134,6 @@ def test_translation_train_consolidate_generate(tmp_path, mt_data):
     assert "BLEU" in text
 
 
-def test_uneven_token_counts_do_not_hang():
+def test_uneven_token_counts_do_not_hang(tmp_path):
     """Rank 0 routes 6 tokens, rank 1 22; then rank 1 has only padding (0 tokens)."""
-    run([sys.executable, "-m", "tests.moe.uneven_worker", str(free_port())], timeout=120)
+    run([sys.executable, "-m", "tests.moe.uneven_worker", rendezvous_url(tmp_path)], timeout=120)

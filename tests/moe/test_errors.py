@@ -8,7 +8,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, free_port, last_error_line, run, tool
+from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, last_error_line, run, tool
+from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.criterions.moe_terms import moe_outputs
@@ -170,11 +171,11 @@ TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim
 def test_two_rank_layout_errors_are_one_line(tmp_path, lm_data, flags, expect):
     """Expert count against the data-parallel ranks and FFN width against the tensor-parallel
     size: both ranks stop at model construction with one line, nothing written."""
-    port = free_port()
+    init_method = rendezvous_url(tmp_path)
     procs = [subprocess.Popen(
         [tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *flags,
          "--save-dir", str(tmp_path / "ck"), "--distributed-world-size", "2", "--distributed-rank", str(rank),
-         "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+         "--distributed-init-method", init_method, "--distributed-no-spawn",
          "--distributed-backend", "gloo"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()) for rank in range(2)]
     for proc in procs:

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from tests.model_parallel.mp_helpers import free_port, launch, wait_all
+from tests.model_parallel.mp_helpers import launch, wait_all
+from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
 
@@ -32,10 +33,10 @@ def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ckpt")
     procs, logs = [], []
     for tp in (1, 2):
-        port = free_port()
+        init_method = rendezvous_url(out)
         for rank in range(WORLD):
             logs.append(out / f"tp{tp}.rank{rank}.log")
-            cmd = [sys.executable, "-m", "tests.moe.ckpt_worker", str(rank), str(WORLD), str(tp), str(port),
+            cmd = [sys.executable, "-m", "tests.moe.ckpt_worker", str(rank), str(WORLD), str(tp), init_method,
                    str(out / f"tp{tp}")]
             procs.append(launch(cmd, logs[-1]))
     wait_all(procs, logs, timeout=240)

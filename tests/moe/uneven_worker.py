@@ -1,9 +1,8 @@
 """Two gloo ranks run MoE layers on different token counts (one rank all padding in the
-second step); the run must finish. Usage: ``python -m tests.moe.uneven_worker PORT``."""
+second step); the run must finish. Usage: ``python -m tests.moe.uneven_worker INIT_METHOD``."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -11,9 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank: int, init_method: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -34,4 +32,4 @@ def worker(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=2)
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)

@@ -25,7 +25,8 @@ import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, free_port, launch, train_records, wait_all
+from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, launch, train_records, wait_all
+from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.optim.zero import assign_owners, check_zero_sharding
 
@@ -45,11 +46,12 @@ def _command(data: Path, save: Path, *flags: str) -> list[str]:
 
 
 def _start(args: list[str], out: Path, stall: int) -> tuple[list, list[Path]]:
-    port = free_port()
+    init_method = rendezvous_url(out)
     procs, logs = [], []
     for rank in range(2):
         logs.append(out / f"{rank}.log")
-        procs.append(launch([sys.executable, str(ZERO_CLI), str(stall), *args, *dist_flags(2, rank, port)], logs[-1]))
+        procs.append(launch([sys.executable, str(ZERO_CLI), str(stall), *args, *dist_flags(2, rank, init_method)],
+                            logs[-1]))
     return procs, logs
 
 
@@ -179,7 +181,7 @@ def test_refused_before_any_work(common, size, message):
     check_zero_sharding(_cfg(**common, fp16_no_flatten_grads=True), 2)
 
 
-def test_load_keeps_the_saved_state_dtypes():
+def test_load_keeps_the_saved_state_dtypes(tmp_path):
     """``--memory-efficient-fp16``: fp16 parameters, fp32 Adam moments; torch's loader would
     cast the moments to fp16 (fairseq's loader hack is turned off for the sharded state), ours
     keeps them (one process: a group of one owns everything)."""
@@ -188,7 +190,7 @@ def test_load_keeps_the_saved_state_dtypes():
 
     from torchscale_fairseq.optim.zero import ShardedOptimizerState
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=rendezvous_url(tmp_path), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
         param = torch.nn.Parameter(torch.randn(6).half())

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, cli_env, free_port, last_error_line, run, tool
+from tests.cli_utils import LM_TRAIN, USER_DIR, cli_env, last_error_line, run, tool
+from tests.rendezvous import rendezvous_url
 
 HERE = Path(__file__).resolve().parent
 TRAIN = [*LM_TRAIN, "--arch", "ts_lm_tiny", "--disable-validation", "--log-interval", "1"]
@@ -35,10 +36,9 @@ def test_nonfinite_gradients_skip_one_update_and_training_goes_on(lm_data, tmp_p
 
 
 def test_a_dead_rank_makes_the_others_exit_quickly(lm_data, tmp_path):
-    port = free_port()
     cmd = [tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, "--save-dir", str(tmp_path), "--no-save",
            *TRAIN, "--max-update", "100000", "--distributed-backend", "gloo", "--distributed-world-size", "2",
-           "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn", "--ddp-backend",
+           "--distributed-init-method", rendezvous_url(tmp_path), "--distributed-no-spawn", "--ddp-backend",
            "legacy_ddp", "--heartbeat-timeout", "30"]
     rank0 = subprocess.Popen([*cmd, "--distributed-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env=cli_env())

@@ -29,10 +29,10 @@ from tests.model_parallel.mp_helpers import (
     USER_DIR,
     assert_replicated_across_parts,
     dist_flags,
-    free_port,
     launch,
     run_fairseq,
 )
+from tests.rendezvous import rendezvous_url
 
 STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
 
@@ -53,9 +53,9 @@ def _losses(log) -> dict:
 
 def _kill_after(args, out, update: int) -> None:
     """Run ``fairseq-train`` on 2 ranks that stall once ``update`` updates are logged; SIGKILL both."""
-    port = free_port()
+    init_method = rendezvous_url(out)
     procs = [launch([sys.executable, str(STALL_CLI), str(update), *args, "--user-dir", str(USER_DIR), "--cpu",
-                     *dist_flags(2, rank, port)], out / f"fairseq-train.{rank}.log") for rank in range(2)]
+                     *dist_flags(2, rank, init_method)], out / f"fairseq-train.{rank}.log") for rank in range(2)]
     log = out / "fairseq-train.0.log"
     deadline = time.monotonic() + 600
     while update not in _losses(log):
@@ -112,10 +112,10 @@ def test_tensor_parallel_sigkill_then_restart_is_exact(lm_data, tmp_path):
 
 def fairseq_ranks_failing(args, out) -> list[Path]:
     """Run ``fairseq-train`` on 2 ranks that must both exit with an error (within the timeout)."""
-    port = free_port()
+    init_method = rendezvous_url(out)
     logs = [out / f"fairseq-train.{rank}.log" for rank in range(2)]
     procs = [launch([str(BIN / "fairseq-train"), *args, "--user-dir", str(USER_DIR), "--cpu",
-                     *dist_flags(2, rank, port)], logs[rank]) for rank in range(2)]
+                     *dist_flags(2, rank, init_method)], logs[rank]) for rank in range(2)]
     for p, log in zip(procs, logs):
         assert p.wait(timeout=300) != 0, log.read_text()[-2000:]
     return logs

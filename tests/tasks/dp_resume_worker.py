@@ -1,6 +1,6 @@
 """Two gloo data-parallel ranks of ``streaming_lm`` (run by ``test_stream_lm.py``).
 
-``python -m tests.tasks.dp_resume_worker DATA OUT PORT``: each rank reads ``FULL`` batches
+``python -m tests.tasks.dp_resume_worker DATA OUT INIT_METHOD``: each rank reads ``FULL`` batches
 uninterrupted, then ``STOP`` batches, after which only rank 0 takes the iterator state (as
 fairseq's ``save_checkpoint``) and writes it; both ranks resume from that file for the rest.
 Each rank saves to ``OUT.RANK`` its targets of both runs and how many ``all_gather_object``
@@ -33,9 +33,9 @@ def read(task, n: int, state: dict | None = None):
     return itr, targets
 
 
-def worker(rank: int, data: str, out: str, port: int) -> None:
+def worker(rank: int, data: str, out: str, init_method: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     from tests.tasks.conftest import build_task
     from torchscale_fairseq.model_parallel import process_groups
 
@@ -66,4 +66,4 @@ def worker(rank: int, data: str, out: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], sys.argv[2], int(sys.argv[3])), nprocs=WORLD)
+    mp.spawn(worker, args=(sys.argv[1], sys.argv[2], sys.argv[3]), nprocs=WORLD)

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """``out = cat([inp of rank 0, ..., inp of rank n-1], dim=0)``."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
