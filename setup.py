@@ -6,9 +6,11 @@ setup(
     description="Magneto/DeepNorm backbones, X-MoE, SparseClip and tensor model parallelism as a fairseq plugin",
     packages=find_packages(include=["torchscale_fairseq", "torchscale_fairseq.*"]),
     package_data={"torchscale_fairseq.interop": ["hf_modeling/*.py"]},
-    python_requires=">=3.10",
+    # Supported ranges, each end tested by scripts/compat_matrix.sh (README, "Supported versions").
+    python_requires=">=3.10,<3.13",
     install_requires=[
-        "torch>=2.0",
+        "torch>=2.11,<2.15",
+        "numpy>=1.26,<2.6",
         "fairseq-fixed==0.12.3.1; python_version >= '3.11'",
         "fairseq==0.12.2; python_version < '3.11'",
         "sentencepiece",

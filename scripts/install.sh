@@ -11,6 +11,9 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 # TORCH_CPU_INDEX (--index-url) when that index answers, else the plain spec (a local wheel
 # directory or mirror with a +cpu wheel, as on the project's CI machine). TORCH_INDEX_URL
 # overrides the index for either build; INSTALL_DRY_RUN=1 prints the decision and stops.
+# Versions: setup.py declares the supported ranges (README, "Supported versions"); TORCH_SPEC picks
+# the torch and NUMPY_SPEC (optional, installed last) the numpy within them, as
+# scripts/compat_matrix.sh does for each end of the range.
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 if [ -z "${TORCH_BUILD:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then TORCH_BUILD=cuda; else TORCH_BUILD=cpu; fi
@@ -48,7 +51,7 @@ if { [ ! -d "$SWORD_ZTEXT/engKJV2006eb" ] || [ ! -d "$SWORD_ZTEXT/spaRV1909eb" ]
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 STAMP="$VENV/.torchscale_fairseq_installed"
-HASH="$(cat "$ROOT/setup.py" "$ROOT/scripts/install.sh" | sha256sum | cut -c1-16)"
+HASH="$( (cat "$ROOT/setup.py" "$ROOT/scripts/install.sh"; echo "$TORCH_SPEC ${NUMPY_SPEC:-}") | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ]; then
   echo "[install] $VENV is up to date"
   exit 0
@@ -58,27 +61,39 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "$TORCH_SPEC" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"}
 fi
-"${PIP[@]}" install "numpy<2.3" cython "packaging"
+# Keep that torch: fairseq asks for torchaudio, whose releases each pin one torch, so an
+# unconstrained pip may replace the torch chosen above by another build or version. (The
+# distribution's version: PyPI's 2.11.0 calls itself 2.11.0+cu130 in torch.__version__.)
+TORCH_PIN="$VENV/torch-pin.txt"
+"$VENV/bin/python" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$TORCH_PIN"
+PIP_INSTALL=("${PIP[@]}" install -c "$TORCH_PIN")
+# fairseq's extensions are built against NumPy 2 (such builds also run on NumPy 1.x), so a wheel
+# pip caches here serves every numpy in the supported range.
+"${PIP_INSTALL[@]}" "numpy>=2" cython "packaging"
 PYMINOR="$("$VENV/bin/python" -c 'import sys; print(sys.version_info[1])')"
 if [ "$PYMINOR" -ge 11 ]; then FAIRSEQ="fairseq-fixed==0.12.3.1"; else FAIRSEQ="fairseq==0.12.2"; fi
 if ! "$VENV/bin/python" -c "import fairseq" 2>/dev/null; then
   echo "[install] $FAIRSEQ (no build isolation)"
-  "${PIP[@]}" install --no-build-isolation "$FAIRSEQ"
+  "${PIP_INSTALL[@]}" --no-build-isolation "$FAIRSEQ"
 fi
 # Offline assets: GPT-2 BPE ranks (openai-whisper ships them) and the gensim Wikipedia excerpt.
 # Installed without dependencies: only their data files are used, found without importing them.
-"${PIP[@]}" install --no-deps "openai-whisper==20250625" "gensim==4.4.0"
+"${PIP_INSTALL[@]}" --no-deps "openai-whisper==20250625" "gensim==4.4.0"
 # TorchScale (the ts-import-torchscale tests build its Decoder); without its pinned fairscale/timm,
 # which would replace this torch (the tests stand in for the two functions it imports from them).
-"${PIP[@]}" install --no-deps "torchscale==0.3.0"
+"${PIP_INSTALL[@]}" --no-deps "torchscale==0.3.0"
 echo "[install] torchscale-fairseq (editable, with test, plots and export extras)"
-"${PIP[@]}" install --no-build-isolation -e "$ROOT[test,plots,export]"
+"${PIP_INSTALL[@]}" --no-build-isolation -e "$ROOT[test,plots,export]"
 # fairseq pulls in torchaudio, whose builds on the index do not load with this torch; only fairseq's
 # speech code uses it, but transformers (export extra) imports it whenever it is installed.
 if "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchaudio') is None)" \
     && ! "$VENV/bin/python" -c "import torchaudio" 2>/dev/null; then
   echo "[install] removing torchaudio (does not load with this torch)"
   "${PIP[@]}" uninstall -y torchaudio
+fi
+if [ -n "${NUMPY_SPEC:-}" ]; then
+  echo "[install] $NUMPY_SPEC"
+  "${PIP_INSTALL[@]}" "$NUMPY_SPEC"
 fi
 echo "$HASH" > "$STAMP"
 echo "[install] done: $("$VENV/bin/python" -c 'import torch, fairseq; print("torch", torch.__version__, "fairseq", fairseq.__version__)')"

@@ -20,10 +20,27 @@ NO_CUDA = "deselected: no CUDA"
 _GPU_DESELECTED = pytest.StashKey[int]()
 
 
-def pytest_report_header(config) -> str:
+def installed_versions() -> str:
+    """The versions of what the supported ranges cover (README, "Supported versions")."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    fairseq = of("fairseq-fixed") if sys.version_info >= (3, 11) else of("fairseq")
+    return (f"Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {of('numpy')}, "
+            f"transformers {of('transformers')}, safetensors {of('safetensors')}, fairseq {fairseq}")
+
+
+def pytest_report_header(config) -> list[str]:
     if CUDA:
-        return f"gpu tests: run on {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    return f"gpu tests: {NO_CUDA} (torch {torch.__version__})"
+        gpu = f"gpu tests: run on {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    else:
+        gpu = f"gpu tests: {NO_CUDA} (torch {torch.__version__})"
+    return [f"versions: {installed_versions()}", gpu]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

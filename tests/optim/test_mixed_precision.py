@@ -4,9 +4,10 @@ the dense LM and the X-MoE + SparseClip LM track the fp32 run of the same seed.
 
 Tolerances (4 updates, dropout 0, tiny model): the loss within 0.1% relative and ``gnorm``
 within 1% for fp16 (loss-scaled half precision; measured at most 0.015% and 0.14%); 0.3% and
-5% for bf16 (8-bit mantissa; measured 0.073% and 1.8%, the MoE gnorm). fp16 and bf16 must
-differ from fp32 somewhere (they really ran in reduced precision); ``--amp`` is fairseq's
-CUDA autocast, which is off on the CPU, so it only has to track fp32.
+5% for bf16 (8-bit mantissa; measured 0.073% and 1.8%, the MoE gnorm); 0.1% and 2% for
+``--amp``, which on the CPU autocasts the step to bfloat16 with fp32 weights
+(:mod:`torchscale_fairseq.integration.cpu_autocast`; measured 0.044% and 0.65%). Every mode
+must differ from fp32 somewhere (it really ran in reduced precision).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MODELS = {
 }
 MODES = {"fp32": [], "fp16": ["--fp16"], "memory_efficient_fp16": ["--memory-efficient-fp16"], "bf16": ["--bf16"],
          "amp": ["--amp"]}
-TOLERANCE = {"fp16": (1e-3, 1e-2), "memory_efficient_fp16": (1e-3, 1e-2), "bf16": (3e-3, 5e-2), "amp": (1e-3, 1e-2)}
+TOLERANCE = {"fp16": (1e-3, 1e-2), "memory_efficient_fp16": (1e-3, 1e-2), "bf16": (3e-3, 5e-2), "amp": (1e-3, 2e-2)}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,5 @@ def test_mixed_precision_tracks_fp32(logs, model, mode):
             assert float(b["gnorm_expert"]) > 0 and "moe_gate_loss" in b
     if mode in ("fp16", "memory_efficient_fp16"):
         assert all("loss_scale" in r for r in got)
-    if mode != "amp":
-        assert any(a["loss"] != b["loss"] or a["gnorm"] != b["gnorm"] for a, b in zip(ref, got)), \
-            f"{mode} gave the fp32 numbers: it did not run in reduced precision"
+    assert any(a["loss"] != b["loss"] or a["gnorm"] != b["gnorm"] for a, b in zip(ref, got)), \
+        f"{mode} gave the fp32 numbers: it did not run in reduced precision"

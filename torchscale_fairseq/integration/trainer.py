@@ -10,7 +10,8 @@
 - the gradient norm counts every gradient once (``utils.clip_grad_norm_`` is
   :mod:`.clip_grad_norm`); fp32 master copies carry their parameters' attributes;
   SparseClip's dense and expert parts are logged on unscaled gradients;
-- ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`);
+- ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`); ``--amp`` on
+  the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
@@ -53,6 +54,7 @@ from torchscale_fairseq.compat.checkpoint_writes import checkpoint_write_error, 
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
+from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
@@ -209,7 +211,8 @@ class TsTrainer(Trainer):
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
         try:
-            logging_output = super().train_step(samples, raise_oom)
+            with cpu_autocast(self.cfg.common.amp, self.device):
+                logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
             return self._skip_update(str(e))
         self.skipped_in_a_row = 0
