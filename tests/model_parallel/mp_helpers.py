@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,24 +57,73 @@ def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: 
     return json.loads(result.read_text())
 
 
-def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
-    """Start ``world`` processes of the fairseq console tool ``tool``; return their logs
-    (call :func:`wait_all` on ``.procs``)."""
+def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path,
+                  unrounded: bool = False) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start ``world`` processes of the fairseq console tool ``tool`` (one rendezvous);
+    return them and their logs."""
     init_method = rendezvous_url(out)
-    logs, procs = [], []
+    procs, logs = [], []
     for rank in range(world):
         log = out / f"{tool}.{rank}.log"
         cmd = [sys.executable, str(UNROUNDED), tool] if unrounded else [str(BIN / tool)]
         procs.append(launch([*cmd, *args, "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, rank, init_method)], log))
         logs.append(log)
-    fairseq_ranks.procs = procs
-    return logs
+    return procs, logs
 
 
 def run_fairseq(tool: str, args: Sequence[str], world: int, out: Path, unrounded: bool = False) -> list[Path]:
-    logs = fairseq_ranks(tool, args, world, out, unrounded)
-    wait_all(fairseq_ranks.procs, logs)
+    procs, logs = fairseq_ranks(tool, args, world, out, unrounded)
+    wait_all(procs, logs)
     return logs
+
+
+PROCESS_BYTES = 800 * 2**20  # a tiny fairseq run's resident memory (~470 MB) with a margin
+
+
+def process_slots() -> int:
+    """How many fairseq processes fit in the memory available now (at least 4)."""
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    return max(4, available // PROCESS_BYTES)
+
+
+def run_jobs(jobs: dict[str, tuple[str, Sequence[str], int]], root: Path, unrounded: bool = False,
+             must_fail: Sequence[str] = (), timeout: float = 600) -> tuple[dict[str, list[Path]], dict[str, int]]:
+    """Run every job ``name: (tool, args, world)`` as ``world`` ranks (logs in ``root/name``),
+    as many at once as :func:`process_slots` allows: a job starts whole (its ranks meet at one
+    rendezvous), in the given order, when its ranks fit beside the running ones (or nothing
+    runs). Every job must exit 0, except those in ``must_fail``, whose rank 0 must not; returns
+    the logs and rank 0's exit code of each job. Raises with the failing rank's log."""
+    slots, pending, running = process_slots(), list(jobs), {}
+    logs, codes, deadline = {}, {}, {}
+    while pending or running:
+        while pending and (not running or sum(len(p) for p, _ in running.values()) + jobs[pending[0]][2] <= slots):
+            name = pending.pop(0)
+            tool, args, world = jobs[name]
+            running[name] = fairseq_ranks(tool, args, world, root / name, unrounded)
+            logs[name], deadline[name] = running[name][1], time.monotonic() + timeout
+        for name, (procs, job_logs) in list(running.items()):
+            if time.monotonic() > deadline[name]:
+                for p in procs:
+                    p.kill()
+                raise AssertionError(f"{name} ran past {timeout} s:\n" + job_logs[0].read_text()[-3000:])
+            if any(p.poll() is None for p in procs):
+                continue
+            del running[name]
+            codes[name] = procs[0].returncode
+            failed = [(p, log) for p, log in zip(procs, job_logs) if p.returncode != 0]
+            if name in must_fail:
+                assert codes[name] != 0, f"{name} should have failed:\n" + job_logs[0].read_text()[-3000:]
+            elif failed:
+                for other, _ in running.values():
+                    for p in other:
+                        p.kill()
+                p, log = failed[0]
+                raise AssertionError(f"{name}: {' '.join(p.args[:3])} ... exited {p.returncode}:\n"
+                                     + log.read_text()[-3000:])
+        time.sleep(0.1)
+    return logs, codes
 
 
 def train_records(log: Path) -> list[dict]:

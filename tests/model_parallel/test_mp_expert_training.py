@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import fairseq_ranks, make_corpora, relative_close, train_records, wait_all
+from mp_helpers import make_corpora, relative_close, run_jobs, train_records
 
 from torchscale_fairseq.cli import reshard
 
@@ -45,20 +45,14 @@ def runs(tmp_path_factory) -> dict:
     """Both trainings at once; reshard in this process; both evaluations at once."""
     root = tmp_path_factory.mktemp("split_experts")
     lm_bin, _ = make_corpora(root)
-    procs, logs = [], {}
-    for name, tp in (("tp1", 1), ("tp2", 2)):
-        logs[name] = fairseq_ranks("fairseq-train", lm_args(lm_bin, root / name, tp), tp, root / name,
-                                   unrounded=True)
-        procs += fairseq_ranks.procs
-    wait_all(procs, [log for name in logs for log in logs[name]], timeout=600)
+    logs, _ = run_jobs({name: ("fairseq-train", lm_args(lm_bin, root / name, tp), tp) for name, tp in
+                        (("tp1", 1), ("tp2", 2))}, root, unrounded=True)
     parts, one = root / "tp2" / "checkpoint_last.pt", root / "one" / "checkpoint.pt"
     reshard.main(["--input", str(parts), "--size", "1", "--output", str(one)])
-    procs = []
-    for name, args, world in (("eval2", [*eval_args(lm_bin, parts), "--model-parallel-size", "2"], 2),
-                              ("eval1", eval_args(lm_bin, one), 1)):
-        logs[name] = fairseq_ranks("fairseq-eval-lm", args, world, root / name)
-        procs += fairseq_ranks.procs
-    wait_all(procs, logs["eval2"] + logs["eval1"], timeout=600)
+    evaluations, _ = run_jobs({"eval2": ("fairseq-eval-lm", [*eval_args(lm_bin, parts), "--model-parallel-size", "2"],
+                                         2),
+                               "eval1": ("fairseq-eval-lm", eval_args(lm_bin, one), 1)}, root)
+    logs.update(evaluations)
     return {"root": root, "logs": logs, "parts": parts, "one": one}
 
 

@@ -39,12 +39,11 @@ from mp_helpers import (
     BIN,
     USER_DIR,
     assert_replicated_across_parts,
-    fairseq_ranks,
     launch,
     make_corpora,
     relative_close,
+    run_jobs,
     train_records,
-    wait_all,
 )
 
 from torchscale_fairseq.cli import reshard
@@ -128,11 +127,8 @@ def runs(tmp_path_factory) -> dict:
         "mtmoe1": (moe_mt_args(mt_bin, root / "mtmoe1", 1, update_freq=2), 1),
         "mtmoe_tp2dp2": (moe_mt_args(mt_bin, root / "mtmoe_tp2dp2", 2, update_freq=1), 4),
     }
-    procs, logs = [], {}
-    for name, (args, world) in jobs.items():
-        logs[name] = fairseq_ranks("fairseq-train", args, world, root / name, unrounded=True)
-        procs += fairseq_ranks.procs
-    wait_all(procs, [log for name in jobs for log in logs[name]], timeout=600)
+    logs, _ = run_jobs({name: ("fairseq-train", args, world) for name, (args, world) in jobs.items()}, root,
+                       unrounded=True)
     return {"root": root, "lm_bin": lm_bin, "mt_bin": mt_bin, "logs": logs}
 
 
@@ -159,10 +155,6 @@ def evaluations(runs, tmp_path_factory) -> dict:
         "size_mismatch": ("fairseq-eval-lm", [*_eval_lm_args(runs["lm_bin"], lm_one), "--model-parallel-size", "2"],
                           2),
     }
-    procs, logs = [], {}
-    for name, (tool, args, world) in jobs.items():
-        logs[name] = fairseq_ranks(tool, args, world, root / name)
-        procs += fairseq_ranks.procs
     errors = {
         "parts_base": [str(BIN / "fairseq-eval-lm"), *_eval_lm_args(runs["lm_bin"], lm_parts)],
         "part_file": [str(BIN / "fairseq-eval-lm"),
@@ -171,11 +163,9 @@ def evaluations(runs, tmp_path_factory) -> dict:
     }
     error_procs = {name: launch([*cmd, "--user-dir", str(USER_DIR), "--cpu"], root / f"{name}.log")
                    for name, cmd in errors.items()}
-    mismatch = procs[-2:]
-    wait_all(procs[:-2], [log for name in jobs if name != "size_mismatch" for log in logs[name]], timeout=600)
+    logs, job_codes = run_jobs(jobs, root, must_fail=["size_mismatch"])
     codes = {name: p.wait(timeout=600) for name, p in error_procs.items()}
-    codes["size_mismatch"] = mismatch[0].wait(timeout=600)
-    mismatch[1].wait(timeout=600)
+    codes["size_mismatch"] = job_codes["size_mismatch"]
     error_logs = {name: root / f"{name}.log" for name in errors}
     error_logs["size_mismatch"] = logs["size_mismatch"][0]
     return {"logs": logs, "lm_parts": lm_parts, "lm_two": lm_two, "codes": codes, "error_logs": error_logs}
