@@ -143,7 +143,8 @@ def test_selective_saves_no_attention_scores(padded):
     assert not any(t.numel() >= scores for t in selective)
     mask_bytes = B * T * T * 1 if padded else 0
     assert _nbytes(none) - _nbytes(selective) == (4 + 4 + 4) * scores - mask_bytes
-    assert len(none) - len(selective) == 3 - (1 if padded else 0)
+    # tensors that hold memory (torch 2.11's checkpoint also saves an empty (0,) placeholder)
+    assert sum(t.numel() > 0 for t in none) - sum(t.numel() > 0 for t in selective) == 3 - (1 if padded else 0)
     # selective keeps q, k, v as (B, h, T, d) views of the projection (the math kernel: copies)
     assert _nbytes([t for t in selective if t.shape == (B, HEADS, T, D // HEADS)]) == 3 * B * T * D * 4
 
