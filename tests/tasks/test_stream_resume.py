@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,24 +71,35 @@ def launch(data: Path, save: Path, task: str, workers: int, world: int, stall_af
 
 
 def finish(procs: list[subprocess.Popen]) -> str:
-    """Rank 0's output once every rank exited 0."""
-    out = procs[0].communicate(timeout=600)[0]
-    codes = [p.wait(timeout=600) for p in procs]
+    """Rank 0's output once every rank exited 0 (every rank is killed if one fails or hangs)."""
+    try:
+        out = procs[0].communicate(timeout=600)[0]
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
     assert codes == [0] * len(procs), f"exit codes {codes}:\n{out[-4000:]}"
     return out
 
 
 def kill_after_save(procs: list[subprocess.Popen], checkpoint: str) -> str:
     """SIGKILL every rank once rank 0 logged writing ``checkpoint``; rank 0's output until then."""
+    watchdog = threading.Timer(600, lambda: [p.kill() for p in procs])  # a hang fails this test, not the suite
+    watchdog.start()
     lines = []
-    for line in procs[0].stdout:
-        lines.append(line)
-        if "Saved checkpoint" in line and checkpoint in line:
-            break
-    for p in procs:
-        p.kill()
-        p.wait(timeout=60)
+    try:
+        for line in procs[0].stdout:
+            lines.append(line)
+            if "Saved checkpoint" in line and checkpoint in line:
+                break
+    finally:
+        watchdog.cancel()
+        for p in procs:
+            p.kill()
+            p.wait()
     out = "".join(lines)
+    assert lines and checkpoint in lines[-1], f"the run did not save {checkpoint}:\n{out[-4000:]}"
     assert all(p.returncode == -9 for p in procs), f"a rank ended before it was killed:\n{out[-4000:]}"
     return out
 
