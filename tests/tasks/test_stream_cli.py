@@ -93,6 +93,7 @@ def test_sigkill_resume_gives_the_same_samples(prepared: Path, trained: tuple[Pa
     assert [killed[u] for u in (1, 2, 3)] == [full[u] for u in (1, 2, 3)]
     proc = run([tool("fairseq-train"), prepared / "stream", *TRAIN, "--max-update", "6", "--save-dir", save])
     resumed = _losses(proc.stdout + proc.stderr)
+    assert "resumes after batch 3 of epoch 1 (4 per epoch), reading no batch again" in proc.stdout + proc.stderr
     assert sorted(resumed) == [4, 5, 6], resumed
     assert [resumed[u] for u in (4, 5, 6)] == [full[u] for u in (4, 5, 6)]
 

@@ -115,7 +115,7 @@ def test_resume_from_a_version_2_state(tmp_path: Path, task_factory) -> None:
     make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
     full, _ = batches(task_factory(tmp_path), 6)
     head, state = batches(task_factory(tmp_path), 4, epoch_len=4)  # an epoch end: positions after batch 4
-    assert state["stream"].pop("behind") == 0
+    assert state["stream"].pop("behind") == 0 and state["stream"].pop("batches_per_epoch") == 4
     state.update(version=2, epoch=2, iterations_in_epoch=1)  # batch 4 as the 1st of epoch 2 at 3 per epoch
     tail, _ = batches(task_factory(tmp_path), 2, state=state)
     got = [s["target"] for s in head + tail]

@@ -1,16 +1,25 @@
 """Epoch iterator over an :class:`LMBlockStream` whose ``state_dict`` holds the exact stream position.
 
 An epoch is ``batches_per_epoch`` batches; the stream itself never restarts. Positions are
-counted in batches handed to the trainer (not what the loader workers have prefetched).
+counted in batches handed to the trainer (not what the loader workers have prefetched): every
+batch carries its reader's position after it.
 
 The checkpoint is written by data-parallel rank 0 alone, yet every rank must resume with its
 own next unseen batch. So every rank keeps a *snapshot* of all ranks' stream positions and
 the number of batches it has handed out since (``behind``); the same on every rank, since all
-ranks hand out batches in step. The snapshot is refreshed by one ``all_gather_object`` per
-epoch, when the epoch's last batch is handed out (and starts as the initial positions or the
-loaded checkpoint's). A checkpoint holds the snapshot and ``behind``; on resume each rank
-restores its position from the snapshot and reads ``behind`` batches again, discarding them
-(at most one epoch of loading; none after an end-of-epoch checkpoint).
+ranks hand out batches in step. :meth:`StreamEpochBatchIterator.sync_positions` refreshes the
+snapshot to the current positions with one ``all_gather_object`` over the data-parallel
+group: ``fairseq-train`` calls it on every rank before each checkpoint save
+(:mod:`torchscale_fairseq.integration.stream_positions`), the iterator itself at each epoch's
+last batch, and a single-process iterator in ``state_dict`` (no communication). A checkpoint
+holds the snapshot and ``behind``; on resume each rank restores its position from the
+snapshot and reads ``behind`` batches again, discarding them. Under ``fairseq-train``
+``behind`` is 0: the restart reads no batch again. A state taken on rank 0 alone without the
+collective (library use) reads up to an epoch again.
+
+A mid-epoch checkpoint resumes only at the ``--batches-per-epoch`` it was saved with (a
+one-line error otherwise); an epoch-end checkpoint resumes at any, the stream going on where
+it stopped.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ class StreamEpochBatchIterator(EpochBatchIterating):
         self.shuffle = True
         self._rank_states = [{"readers": copy.deepcopy(dataset.states), "next_reader": 0}] * dataset.dp_size
         self._behind = 0  # batches handed out since the positions in ``_rank_states``
+        self._position: dict | None = None  # this rank's position now (None until read up to it)
         self._cur_epoch_itr: CountingIterator | None = None
         self._source: Iterator[dict] | None = None
         self._resume_offset: int | None = None
@@ -91,6 +101,15 @@ class StreamEpochBatchIterator(EpochBatchIterating):
             self._source.close()
             self._source = None
 
+    def sync_positions(self) -> None:
+        """Refresh the snapshot to every rank's position after the batches handed out so far.
+
+        A collective when data-parallel: every data-parallel rank calls it at the same batch."""
+        if self._behind == 0 or self._position is None:
+            return  # the snapshot is current, or not read up to yet (the same on every rank)
+        self._rank_states = _gather_dp(copy.deepcopy(self._position), self.dataset.dp_rank, self._rank_states)
+        self._behind = 0
+
     def _batches(self, n: int) -> Iterator[dict]:
         """This rank's next ``n`` batches, the last of them ending the epoch. Reading starts at the
         snapshot; the ``_behind`` batches already handed out since are read again and discarded."""
@@ -112,12 +131,12 @@ class StreamEpochBatchIterator(EpochBatchIterating):
         try:
             for _ in range(self._behind):
                 advance()
+            self._position = mine
             for i in range(n):
                 sample = advance()
                 self._behind += 1
-                if i == n - 1:  # the epoch's last batch: every rank is here; refresh the snapshot
-                    self._rank_states = _gather_dp(copy.deepcopy(mine), self.dataset.dp_rank, self._rank_states)
-                    self._behind = 0
+                if i == n - 1:  # the epoch's last batch: every rank is here
+                    self.sync_positions()
                 yield sample
         finally:
             shutdown = getattr(it, "_shutdown_workers", None)
@@ -125,12 +144,14 @@ class StreamEpochBatchIterator(EpochBatchIterating):
                 shutdown()
 
     def state_dict(self) -> dict:
+        if self.dataset.dp_size == 1:
+            self.sync_positions()
         if self.end_of_epoch():
             epoch, iterations = self.epoch + 1, 0
         else:
             epoch, iterations = self.epoch, self.iterations_in_epoch
         return {
-            "version": 3,
+            "version": 4,
             "epoch": epoch,
             "iterations_in_epoch": iterations,
             "shuffle": self.shuffle,
@@ -138,6 +159,7 @@ class StreamEpochBatchIterator(EpochBatchIterating):
                 "layout": [self.dataset.dp_size, self.dataset.n_local, len(self.dataset.corpora)],
                 "ranks": copy.deepcopy(self._rank_states),
                 "behind": self._behind,
+                "batches_per_epoch": self.batches_per_epoch,
             },
         }
 
@@ -158,5 +180,18 @@ class StreamEpochBatchIterator(EpochBatchIterating):
                 f"readers (--num-workers) and corpora {list(stream['layout'])}, this run has {layout}; "
                 "use the same settings, or --reset-dataloader to restart the stream"
             )
+        saved_len = stream.get("batches_per_epoch")  # versions 2 and 3 did not record it
+        if iterations and (iterations >= self.batches_per_epoch or saved_len not in (None, self.batches_per_epoch)):
+            epoch = f"an epoch of {saved_len} batches" if saved_len else "an epoch"
+            fix = f"--batches-per-epoch {saved_len}" if saved_len else "the --batches-per-epoch it was saved with"
+            raise TsConfigError(
+                f"cannot resume the data stream: the checkpoint was saved after batch {iterations} of {epoch}, "
+                f"this run has --batches-per-epoch {self.batches_per_epoch}; resume with {fix} "
+                "(it may change at an epoch-end checkpoint)"
+            )
         self._rank_states = copy.deepcopy(stream["ranks"])
         self._behind = stream.get("behind", 0)  # version 2 held every rank's position at the batch itself
+        self._position = None
+        where = f"after batch {iterations} of epoch {self.epoch}" if iterations else f"at the start of epoch {self.epoch}"
+        again = f"reading {self._behind} batch(es) again to reach it" if self._behind else "reading no batch again"
+        logger.info("data stream resumes %s (%d per epoch), %s", where, self.batches_per_epoch, again)

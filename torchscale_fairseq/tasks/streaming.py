@@ -20,7 +20,8 @@ from torchscale_fairseq.model_parallel import process_groups
 
 def batches_per_epoch_field():
     """The ``--batches-per-epoch`` option of the streaming tasks."""
-    return field(default=1000, metadata={"help": "training batches per epoch (the stream itself never restarts)"})
+    return field(default=1000, metadata={
+        "help": "training batches per epoch (the stream itself never restarts; change it only at an epoch end)"})
 
 
 class StreamSource(FairseqDataset):
