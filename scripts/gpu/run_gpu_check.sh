@@ -33,14 +33,14 @@ PYTEST=(-p no:cacheprovider -o addopts= -ra -q --durations=10)
 # flags where the node has it. Expected times: see scripts/gpu/README.md.
 plan() {
   cat <<'PLAN'
-1|install|300|60|-|bash scripts/gpu/node_install.sh
+1|install|420|60|-|bash scripts/gpu/node_install.sh
 1|cpu-smoke|150|40|-|$VPY -m pytest tests/foundation/test_default_device.py tests/optim/test_mixed_precision.py $PYTEST_FLAGS
 1|pytest-gpu|300|170|pytest|$VPY -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_cuda_training.py $PYTEST_FLAGS $XDIST
 1|bench-moe|90|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12
-2|install|300|60|-|bash scripts/gpu/node_install.sh
+2|install|420|60|-|bash scripts/gpu/node_install.sh
 2|pytest-gpu-training|360|200|pytest|$VPY -m pytest -m gpu tests/gpu/test_cuda_training.py $PYTEST_FLAGS
 2|bench-generation|150|75|$VPY benchmarks/gpu_generation.py --toy|$VPY benchmarks/gpu_generation.py --rounds 1
-3|install|300|60|-|bash scripts/gpu/node_install.sh
+3|install|420|60|-|bash scripts/gpu/node_install.sh
 3|bench-mfu|200|110|$VPY benchmarks/gpu_mfu.py --toy|$VPY benchmarks/gpu_mfu.py
 3|bench-throughput|240|150|$VPY benchmarks/gpu_throughput.py --toy|$VPY benchmarks/gpu_throughput.py --rounds 1
 PLAN

@@ -32,8 +32,8 @@ def on_cuda(flags: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def losses(request, tmp_path_factory) -> dict:
-    """``train_inner`` records of every run (30 updates each, as on CPU, all started together: one GPU
-    holds them all, and most of each run is fairseq's start-up)."""
+    """``train_inner`` records of every run (30 updates each, as on CPU; as many at once as there are
+    cores: one GPU holds them all, and most of each run is fairseq's start-up)."""
     root = tmp_path_factory.mktemp("cuda_train")
     cmds = []
     for arch, backbone, precision in RUNS:
