@@ -16,7 +16,9 @@ look like growth with E (or hid it). Reported: the best and the median of ``--re
 runs after one warm-up; the one-hot reference is the best of up to 3.
 
 Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``;
-on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``).
+on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``). The
+last line, ``RESULT``, gives the median ratio at every E and the verdict against ``--target``
+(1.25) at the worst E.
 The experts run one ``addmm`` per expert (``GroupedLinear``) on every device: PyTorch's
 ``torch._grouped_mm`` is not used.
 """
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--skip-one-hot-above", type=int, default=256, help="skip the einsum reference above this E")
+    parser.add_argument("--target", type=float, default=1.25, help="largest ratio (median) to 2x dense that passes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -134,6 +137,11 @@ def main() -> None:
               f"{median[i] / (2 * median[0]):.2f} | {ref} |", flush=True)
     print(f"growth E={args.experts[0]} -> E={args.experts[-1]}: {100 * (best[-1] / best[1] - 1):+.1f}% (best), "
           f"{100 * (median[-1] / median[1] - 1):+.1f}% (median)")
+    ratios = {e: median[i] / (2 * median[0]) for i, e in enumerate(layers, start=1)}
+    worst = max(ratios, key=ratios.get)
+    verdict = "PASS" if ratios[worst] <= args.target else "FAIL"
+    print(f"RESULT MoE layer / 2x dense FFN (median): {', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  "
+          f"target <= {args.target}: {verdict} (worst E={worst})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
 # Run on a machine with PyPI access (after scripts/install.sh): download into scripts/gpu/wheelhouse/
 # (git-ignored) everything an offline GPU node with Python 3.12 and a CUDA PyTorch needs to run
-# scripts/gpu/run_gpu_check.sh. Nothing for torch. See scripts/gpu/README.md.
-#   bash scripts/gpu/prepare_offline.sh            # core + fallback wheels
-#   GPU_WHEELS=core bash scripts/gpu/prepare_offline.sh   # core only (the node already has the rest)
+# scripts/gpu/run_gpu_check.sh, and prebuild fairseq-fixed's wheel against the node's torch. Nothing
+# for torch. See scripts/gpu/README.md.
+#   bash scripts/gpu/prepare_offline.sh                   # core + fallback wheels + fairseq wheel
+#   GPU_WHEELS=core bash scripts/gpu/prepare_offline.sh   # no fallback wheels (the node has them)
+#   FAIRSEQ_WHEEL_PYTHON=none bash scripts/gpu/prepare_offline.sh   # no prebuilt fairseq wheel: built on the node
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WH="${WHEELHOUSE:-$ROOT/scripts/gpu/wheelhouse}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"    # needs torch, numpy and cython: fairseq's metadata is read without isolation
 NODE_PY="${GPU_PYTHON_VERSION:-3.12}"
+# A Python like the node's (CPython 3.12, torch 2.11.0, numpy 2.x, cython, setuptools, a C++ compiler)
+# that builds fairseq-fixed's wheel: its C++ extensions (libbase, libnat, alignment_train_cpu_binding)
+# link against that torch, so the node can install it in seconds instead of compiling for minutes.
+# Default: the stand-in of scripts/gpu/make_node_standin.sh, where it exists; `none`: no wheel.
+FAIRSEQ_WHEEL_PYTHON="${FAIRSEQ_WHEEL_PYTHON:-${STANDIN:-/work/nodesim/base}/bin/python}"
+CACHE="${GPU_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/torchscale-fairseq/gpu-wheels}"
 LIMIT_MIB=48                              # the node gets at most 64 MiB of carried files, the checkout included
 
-# Binary wheels (manylinux x86_64 or pure Python) for the node's Python. core: what fairseq-fixed
-# 0.12.3.1 pins and a CUDA PyTorch image lacks; fallback: what the plugin needs that such images
-# usually hold already (pip keeps the node's own copy when it satisfies the requirement).
+# Everything is installed on the node with --no-deps: each list names every package it needs.
+# core: fairseq-fixed 0.12.3.1's pins and their dependencies that a CUDA PyTorch image lacks
+# (hydra-core -> omegaconf, antlr4-python3-runtime, packaging; omegaconf -> pyyaml; cffi -> pycparser).
 CORE=(hydra-core==1.3.2 omegaconf==2.3.0 bitarray==3.12.3 cffi==2.1.1 pycparser==3.12)
+# fallback: what fairseq or the plugin imports that such images usually hold already; the node
+# installs one only where it has no version of that distribution (sacrebleu -> portalocker, tabulate,
+# colorama, regex, lxml; lxml is not shipped: the node image has it).
 FALLBACK=(cython==3.3.1 regex==2026.11.15 sacrebleu==2.6.0 portalocker==4.4.2 tabulate==0.10.0 colorama==0.4.6
-          sentencepiece==0.2.3 tiktoken==0.14.0 pyyaml==6.0.3)
-# Source-only packages: pure Python ones are built into wheels here; fairseq-fixed stays a source
-# distribution, compiled on the node against its torch (C++ extensions must match that torch).
+          sentencepiece==0.2.2 tiktoken==0.14.0 pyyaml==6.0.3)
+# Source-only packages: pure Python ones are built into wheels here; fairseq-fixed's source stays as
+# the fallback the node compiles when the prebuilt wheel does not match its torch.
 PURE_SDISTS=(antlr4-python3-runtime==4.9.3 openai-whisper==20250625)
-NO_DEPS=(openai-whisper==20250625)  # only its GPT-2 BPE ranks file is used (as scripts/install.sh installs it)
+CORE_SDISTS=(antlr4-python3-runtime==4.9.3 openai-whisper==20250625)  # openai-whisper: only its GPT-2 BPE ranks
 FAIRSEQ=fairseq-fixed==0.12.3.1
 
 case "${GPU_WHEELS:-all}" in
@@ -38,15 +49,53 @@ echo "[prepare] binary wheels for CPython $NODE_PY, manylinux x86_64: ${BINARIES
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WH" "${BINARIES[@]}"
 echo "[prepare] pure-Python wheels built here: ${PURE_SDISTS[*]}"
 "${PIP[@]}" wheel --no-deps --no-build-isolation -w "$WH" "${PURE_SDISTS[@]}"
-echo "[prepare] $FAIRSEQ source distribution (built on the node)"
+echo "[prepare] $FAIRSEQ source distribution"
 "${PIP[@]}" download --no-deps --no-binary :all: --no-build-isolation -d "$WH" "$FAIRSEQ"
-# What run_gpu_check.sh installs (it checks every file is here): requirements.txt with their
-# dependencies, no-deps.txt without, then fairseq.txt built from source without build isolation.
+SDIST="$(ls "$WH"/fairseq_fixed-*.tar.gz | head -n 1)"
+
+# fairseq-fixed's wheel, built against the node's torch (cached by source and torch version)
+rm -f "$WH/fairseq-wheel.txt"
+if [ "$FAIRSEQ_WHEEL_PYTHON" != none ] && [ -x "$FAIRSEQ_WHEEL_PYTHON" ]; then
+  RECORD="$("$FAIRSEQ_WHEEL_PYTHON" -c 'import sys, numpy, torch
+print(f"python={sys.version_info[0]}.{sys.version_info[1]} torch={torch.__version__} numpy={numpy.__version__} "
+      f"cxx11abi={int(torch.compiled_with_cxx11_abi())}")')"
+  case "$RECORD" in
+    "python=$NODE_PY "*) ;;
+    *) echo "[prepare] error: $FAIRSEQ_WHEEL_PYTHON is not CPython $NODE_PY ($RECORD): set FAIRSEQ_WHEEL_PYTHON" >&2; exit 2 ;;
+  esac
+  KEY="$(echo "$RECORD $(sha256sum "$SDIST" | cut -c1-16)" | sha256sum | cut -c1-16)"
+  mkdir -p "$CACHE/$KEY"
+  if ! ls "$CACHE/$KEY"/fairseq_fixed-*.whl >/dev/null 2>&1; then
+    echo "[prepare] building fairseq-fixed's wheel with $FAIRSEQ_WHEEL_PYTHON ($RECORD; CPU extensions only, minutes)"
+    t0=$SECONDS
+    env -u CUDA_HOME MAX_JOBS="$(nproc)" PIP_CONFIG_FILE=/dev/null \
+      "$FAIRSEQ_WHEEL_PYTHON" -m pip --disable-pip-version-check -q wheel --no-deps --no-build-isolation --no-index \
+      -w "$CACHE/$KEY" "$SDIST"
+    echo "[prepare] built in $((SECONDS - t0)) s"
+  fi
+  # without the extensions' debug information (30 MiB of the 31 MiB they take): the wheel travels
+  TMPW="$(mktemp -d)"
+  if command -v strip >/dev/null 2>&1 && "$FAIRSEQ_WHEEL_PYTHON" -m wheel version >/dev/null 2>&1; then
+    "$FAIRSEQ_WHEEL_PYTHON" -m wheel unpack -d "$TMPW" "$CACHE/$KEY"/fairseq_fixed-*.whl >/dev/null
+    find "$TMPW" -name '*.so' -exec strip --strip-debug {} +
+    "$FAIRSEQ_WHEEL_PYTHON" -m wheel pack -d "$WH" "$TMPW"/fairseq_fixed-* >/dev/null
+  else
+    cp "$CACHE/$KEY"/fairseq_fixed-*.whl "$WH/"
+  fi
+  rm -rf "$TMPW"
+  echo "$(basename "$(ls "$WH"/fairseq_fixed-*.whl)") $RECORD" > "$WH/fairseq-wheel.txt"
+  echo "[prepare] fairseq wheel: $(cat "$WH/fairseq-wheel.txt")"
+else
+  echo "[prepare] no prebuilt fairseq wheel (FAIRSEQ_WHEEL_PYTHON=$FAIRSEQ_WHEEL_PYTHON): the node builds it from source"
+fi
+
+# What run_gpu_check.sh installs (it checks every file is here), always with --no-deps: core.txt,
+# fallback.txt where the node lacks the distribution, then fairseq (fairseq-wheel.txt if its record
+# matches the node, else fairseq.txt built from source without build isolation).
 {
-  printf '%s\n' "${CORE[@]}" antlr4-python3-runtime==4.9.3
-  if [ "${GPU_WHEELS:-all}" = all ]; then printf '%s\n' "${FALLBACK[@]}"; fi
-} > "$WH/requirements.txt"
-printf '%s\n' "${NO_DEPS[@]}" > "$WH/no-deps.txt"
+  printf '%s\n' "${CORE[@]}" "${CORE_SDISTS[@]}"
+} > "$WH/core.txt"
+if [ "${GPU_WHEELS:-all}" = all ]; then printf '%s\n' "${FALLBACK[@]}" > "$WH/fallback.txt"; else : > "$WH/fallback.txt"; fi
 echo "$FAIRSEQ" > "$WH/fairseq.txt"
 "$PY" - "$WH" <<'PY'
 import hashlib, pathlib, sys

@@ -1,6 +1,7 @@
 """The collectives gloo does not document for CUDA tensors (``all_gather``,
 ``all_to_all_single``), as the plugin calls them, on NCCL at world size 1 (one GPU holds
-one NCCL rank). ``python -m tests.gpu.nccl_worker INIT_METHOD``; exits non-zero on a mismatch."""
+one NCCL rank). ``python -m tests.gpu.nccl_worker INIT_URL`` (a ``file://`` init method,
+``tests/rendezvous.py``); exits non-zero on a mismatch."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch.distributed as dist
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 
 
-def main(init_method: str) -> None:
+def main(init_url: str) -> None:
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=init_method, rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=init_url, rank=0, world_size=1)
     assert dist.get_backend() == "nccl"
     group = dist.group.WORLD
     x = torch.randn(7, 5, device="cuda", requires_grad=True)

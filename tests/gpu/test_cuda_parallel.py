@@ -18,7 +18,6 @@ import torch
 from tests.cli_utils import REPO, run, run_many
 from tests.model_parallel.mp_helpers import run_worker_ranks
 from tests.rendezvous import rendezvous_url
-from torchscale_fairseq.model_parallel import process_groups
 from torchscale_fairseq.model_parallel import random as tp_random
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
 
@@ -60,14 +59,12 @@ def test_nccl_collectives_at_world_size_one(tmp_path):
 
 
 @pytest.fixture
-def two_way_rank(monkeypatch):
-    """Tensor-parallel size 2 as the tracker sees it; ``seed(rank)`` seeds it as that rank."""
-    monkeypatch.setattr(process_groups, "_TP_SIZE", 2)
+def seed_as_rank():
+    """``seed(rank)`` seeds the tracker as tensor-parallel rank ``rank`` of 2 (seed 7)."""
     torch.cuda.init()  # fairseq sets the device (and so creates the context) before seeding
 
     def seed(rank: int) -> None:
-        monkeypatch.setattr(tp_random, "get_tensor_parallel_rank", lambda: rank)
-        model_parallel_seed(7)
+        model_parallel_seed(7, rank, 2)
 
     yield seed
     get_rng_tracker().reset()
@@ -78,8 +75,8 @@ def _fork_draw() -> torch.Tensor:
         return torch.rand(8, device="cuda")
 
 
-def test_rng_tracker_forks_cuda_generators(two_way_rank, tmp_path):
-    two_way_rank(0)
+def test_rng_tracker_forks_cuda_generators(seed_as_rank, tmp_path):
+    seed_as_rank(0)
     assert "cuda" in get_rng_tracker().state_dict()[tp_random.MODEL_PARALLEL_RNG]
     torch.cuda.manual_seed(0)
     default_state = torch.cuda.get_rng_state()
@@ -91,5 +88,5 @@ def test_rng_tracker_forks_cuda_generators(two_way_rank, tmp_path):
     torch.save({"rng": saved}, tmp_path / "rng.pt")
     get_rng_tracker().load_state_dict(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
     assert torch.equal(_fork_draw(), rank0)
-    two_way_rank(1)
+    seed_as_rank(1)
     assert not torch.equal(_fork_draw(), rank0)  # every tensor-parallel rank has its own stream

@@ -29,6 +29,7 @@ from torchscale_fairseq.model_parallel.mappings import (
 )
 from torchscale_fairseq.model_parallel.partition import padded_vocab_size, shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
+from torchscale_fairseq.modules.device_init import on_default_device
 
 TensorParallelGroup = dist.ProcessGroup | None
 
@@ -61,8 +62,9 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, group: TensorParallelGroup) -> nn.Parameter:
+    """This rank's shard of ``full`` (made on the CPU) as a parameter on the default device."""
     n, rank = group_size(group), group_rank(group)
-    return mark_sharded(nn.Parameter(shard_tensor(full, dim, stride, rank, n)), dim, stride)
+    return mark_sharded(nn.Parameter(on_default_device(shard_tensor(full, dim, stride, rank, n))), dim, stride)
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -110,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.stride = gather_output, stride
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = torch.empty(out_features, in_features)
+        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: modules/device_init.py
         init_method(full)
         self.weight = _sharded_parameter(full, 0, stride, tp_group)
         self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride, tp_group) if bias else None
@@ -151,7 +153,7 @@ class RowParallelLinear(nn.Module):
         divide(in_features, group_size(tp_group), what)
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = torch.empty(out_features, in_features)
+        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: modules/device_init.py
         init_method(full)
         self.weight = _sharded_parameter(full, 1, 1, tp_group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -182,7 +184,7 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_num_embeddings = padded_vocab_size(num_embeddings, n)
         self.shard_size = self.padded_num_embeddings // n
         self.vocab_start = rank * self.shard_size
-        full = torch.zeros(self.padded_num_embeddings, embedding_dim)
+        full = torch.zeros(self.padded_num_embeddings, embedding_dim, device="cpu")
         nn.init.normal_(full[:num_embeddings], mean=0.0, std=embedding_dim**-0.5)
         if padding_idx is not None:
             full[padding_idx].zero_()

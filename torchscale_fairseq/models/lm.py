@@ -5,6 +5,7 @@ from typing import Any, List, Optional
 
 from fairseq.models import FairseqLanguageModel, register_model, register_model_architecture
 from fairseq.modules import AdaptiveInput, AdaptiveSoftmax
+from torch import nn
 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.decoder import TransformerDecoder
@@ -12,6 +13,7 @@ from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsLanguageModelConfig, check_positions, validate_common
+from torchscale_fairseq.modules.device_init import build_on_cpu
 from torchscale_fairseq.modules.moe.layer import check_generation
 
 
@@ -106,19 +108,28 @@ class TsLanguageModel(FairseqLanguageModel):
         dictionary = task.target_dictionary
         vocab = len(dictionary)
         softmax_cutoffs = parse_cutoffs(args.adaptive_softmax_cutoff, vocab, "--adaptive-softmax-cutoff")
+        input_cutoffs = None
         if args.adaptive_input:
             input_cutoffs = parse_cutoffs(args.adaptive_input_cutoff, vocab, "--adaptive-input-cutoff") or softmax_cutoffs
-            embed_tokens = AdaptiveInput(vocab, dictionary.pad(), cfg.embed_dim, args.adaptive_input_factor,
-                                         cfg.embed_dim, input_cutoffs, 0.0, 8)
-        else:
-            embed_tokens = build_token_embedding(vocab, cfg.embed_dim, dictionary.pad(), cfg.tp_group)
-        adaptive_softmax = None
-        if softmax_cutoffs is not None:
-            adaptive_softmax = AdaptiveSoftmax(
-                vocab, cfg.embed_dim, softmax_cutoffs, dropout=args.adaptive_softmax_dropout,
-                adaptive_inputs=embed_tokens if args.tie_adaptive_weights else None,
-                factor=args.adaptive_softmax_factor, tie_proj=args.tie_adaptive_proj,
-            )
+
+        def embeddings() -> tuple[nn.Module, Optional[nn.Module]]:
+            """The input embedding and fairseq's adaptive softmax, if any (tied to it or not)."""
+            if args.adaptive_input:
+                embed_tokens = AdaptiveInput(vocab, dictionary.pad(), cfg.embed_dim, args.adaptive_input_factor,
+                                             cfg.embed_dim, input_cutoffs, 0.0, 8)
+            else:
+                embed_tokens = build_token_embedding(vocab, cfg.embed_dim, dictionary.pad(), cfg.tp_group)
+            adaptive_softmax = None
+            if softmax_cutoffs is not None:
+                adaptive_softmax = AdaptiveSoftmax(
+                    vocab, cfg.embed_dim, softmax_cutoffs, dropout=args.adaptive_softmax_dropout,
+                    adaptive_inputs=embed_tokens if args.tie_adaptive_weights else None,
+                    factor=args.adaptive_softmax_factor, tie_proj=args.tie_adaptive_proj,
+                )
+            return embed_tokens, adaptive_softmax
+
+        # fairseq's adaptive modules draw on the default device: built on the CPU, then moved
+        embed_tokens, adaptive_softmax = build_on_cpu(embeddings)
         return cls(TransformerDecoder(cfg, dictionary, embed_tokens, cross_attention=False,
                                       adaptive_softmax=adaptive_softmax))
 

@@ -18,6 +18,7 @@ from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parall
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
+from torchscale_fairseq.modules.device_init import cpu_construction
 
 
 class MaskedLMEncoder(FairseqEncoder):
@@ -29,7 +30,8 @@ class MaskedLMEncoder(FairseqEncoder):
         self.tp_group = cfg.tp_group
         self.encoder = TransformerEncoder(cfg, dictionary, embed_tokens)
         self.vocab_size = len(dictionary)
-        self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
+        with cpu_construction(self):  # drawn on the CPU, then moved to the default device
+            self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
         self.lm_head_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0)))
         mark_vocab_padded(mark_sharded(self.lm_head_bias, 0), self.vocab_size)

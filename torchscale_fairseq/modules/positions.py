@@ -8,6 +8,8 @@ import math
 import torch
 import torch.nn as nn
 
+from torchscale_fairseq.modules.device_init import cpu_construction, on_default_device
+
 
 def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
     """``padding_idx + 1 + (index among non-pad tokens)``, ``padding_idx`` on pads."""
@@ -19,10 +21,11 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """Learned table of ``max_positions`` positions (N(0, d^-1/2) init, pad row zero)."""
 
     def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int) -> None:
-        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
-        self.max_positions = max_positions
-        nn.init.normal_(self.weight, mean=0.0, std=embedding_dim**-0.5)
-        nn.init.constant_(self.weight[padding_idx], 0.0)
+        with cpu_construction(self):  # drawn on the CPU, then moved to the default device
+            super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+            self.max_positions = max_positions
+            nn.init.normal_(self.weight, mean=0.0, std=embedding_dim**-0.5)
+            nn.init.constant_(self.weight[padding_idx], 0.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(make_positions(tokens, self.padding_idx))
@@ -35,16 +38,18 @@ class SinusoidalPositionalEmbedding(nn.Module):
         super().__init__()
         self.embedding_dim, self.padding_idx = embedding_dim, padding_idx
         self.max_positions = int(1e5)
-        self.register_buffer("table", self.build(init_size, embedding_dim, padding_idx), persistent=False)
+        self.register_buffer("table", on_default_device(self.build(init_size, embedding_dim, padding_idx)),
+                             persistent=False)
 
     @staticmethod
     def build(num_embeddings: int, embedding_dim: int, padding_idx: int) -> torch.Tensor:
+        """The table, computed on the CPU (the same values whatever the default device)."""
         half = embedding_dim // 2
-        freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000) / (half - 1)))
-        angles = torch.arange(num_embeddings, dtype=torch.float).unsqueeze(1) * freq.unsqueeze(0)
+        freq = torch.exp(torch.arange(half, dtype=torch.float, device="cpu") * -(math.log(10000) / (half - 1)))
+        angles = torch.arange(num_embeddings, dtype=torch.float, device="cpu").unsqueeze(1) * freq.unsqueeze(0)
         table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
         if embedding_dim % 2 == 1:
-            table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+            table = torch.cat([table, torch.zeros(num_embeddings, 1, device="cpu")], dim=1)
         table[padding_idx, :] = 0
         return table
 

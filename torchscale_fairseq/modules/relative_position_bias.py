@@ -15,6 +15,7 @@ from torchscale_fairseq.model_parallel.process_groups import (
     group_rank,
     group_size,
 )
+from torchscale_fairseq.modules.device_init import on_default_device
 
 
 def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -46,9 +47,9 @@ class RelativePositionBias(nn.Module):
         self.bidirectional, self.num_buckets, self.max_distance = bidirectional, num_buckets, max_distance
         n = group_size(tp_group)
         divide(num_heads, n, "number of attention heads")
-        full = torch.empty(num_buckets, num_heads)
+        full = torch.empty(num_buckets, num_heads, device="cpu")  # drawn on the CPU: modules/device_init.py
         nn.init.normal_(full)
-        self.weight = mark_sharded(nn.Parameter(shard_tensor(full, 1, 1, group_rank(tp_group), n)), 1)
+        self.weight = mark_sharded(nn.Parameter(on_default_device(shard_tensor(full, 1, 1, group_rank(tp_group), n))), 1)
 
     def forward(self, q_len: int, k_len: int, offset: int = 0) -> torch.Tensor:
         """Bias for queries at positions ``offset .. offset + q_len - 1`` and keys ``0 .. k_len - 1``."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchscale_fairseq.modules.device_init import on_default_device
+
 
 def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., ::2], x[..., 1::2]
@@ -18,10 +20,11 @@ class XPos(nn.Module):
     def __init__(self, head_dim: int, scale_base: float = 512.0) -> None:
         super().__init__()
         self.scale_base = scale_base
-        zeta = (torch.arange(0, head_dim, 2, dtype=torch.float) + 0.4 * head_dim) / (1.4 * head_dim)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim // 2, dtype=torch.float) / (head_dim // 2)))
-        self.register_buffer("zeta", zeta, persistent=False)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # computed on the CPU: the same values whatever the default device
+        zeta = (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") + 0.4 * head_dim) / (1.4 * head_dim)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim // 2, dtype=torch.float, device="cpu") / (head_dim // 2)))
+        self.register_buffer("zeta", on_default_device(zeta), persistent=False)
+        self.register_buffer("inv_freq", on_default_device(inv_freq), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0, downscale: bool = False) -> torch.Tensor:
         """Rotate ``x`` of shape ``(..., T, head_dim)`` for positions ``offset .. offset + T - 1``."""

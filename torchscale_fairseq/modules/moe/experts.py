@@ -208,13 +208,15 @@ class GroupedExperts(nn.Module):
         self.ln_weight = nn.Parameter(torch.ones(num_local, shard)) if subln else None
         self.ln_bias = nn.Parameter(torch.zeros(num_local, shard)) if subln else None
         self.grad_buffers = GradBuffers()
-        base = int(torch.randint(0, 2**31 - 1, ()).item())
+        # every draw on the CPU (the base from the CPU default generator, the experts from CPU
+        # generators), copied to the parameters' device: the same weights whatever the default device
+        base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
         std1 = gain * math.sqrt(2.0 / (embed_dim + ffn_dim))
         with torch.no_grad():
             for i in range(num_local):
                 g = torch.Generator().manual_seed(base + first_expert + i)
-                fc1 = torch.randn(embed_dim, parts * ffn_dim, generator=g) * std1
-                fc2 = torch.randn(ffn_dim, embed_dim, generator=g) * std1
+                fc1 = torch.randn(embed_dim, parts * ffn_dim, generator=g, device="cpu") * std1
+                fc2 = torch.randn(ffn_dim, embed_dim, generator=g, device="cpu") * std1
                 self.fc1_weight[i].copy_(shard_tensor(fc1, 1, parts, rank, n))
                 self.fc2_weight[i].copy_(shard_tensor(fc2, 0, 1, rank, n))
         if n > 1:

@@ -14,15 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchscale_fairseq.modules.device_init import cpu_construction
+
 
 class XMoERouter(nn.Module):
     def __init__(self, embed_dim: int, num_experts: int, router_dim: int = 16, init_temperature: float = 0.07) -> None:
         super().__init__()
-        self.proj = nn.Linear(embed_dim, router_dim, bias=False)
-        nn.init.xavier_normal_(self.proj.weight)
-        self.expert_embeddings = nn.Parameter(torch.empty(num_experts, router_dim))
-        nn.init.orthogonal_(self.expert_embeddings, gain=0.32)
-        self.log_temperature = nn.Parameter(torch.tensor(float(init_temperature)).log())
+        with cpu_construction(self):  # drawn on the CPU, then moved to the default device
+            self.proj = nn.Linear(embed_dim, router_dim, bias=False)
+            nn.init.xavier_normal_(self.proj.weight)
+            self.expert_embeddings = nn.Parameter(torch.empty(num_experts, router_dim))
+            nn.init.orthogonal_(self.expert_embeddings, gain=0.32)
+            self.log_temperature = nn.Parameter(torch.tensor(float(init_temperature)).log())
         self.min_temperature = 0.01
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +39,14 @@ class XMoERouter(nn.Module):
 class LinearRouter(nn.Module):
     def __init__(self, embed_dim: int, num_experts: int, noise: float = 0.0) -> None:
         super().__init__()
-        self.gate = nn.Linear(embed_dim, num_experts, bias=False)
-        nn.init.xavier_normal_(self.gate.weight)
         self.noise = noise
         self.noise_proj = None
-        if noise > 0:
-            self.noise_proj = nn.Linear(embed_dim, num_experts, bias=False)
-            nn.init.zeros_(self.noise_proj.weight)
+        with cpu_construction(self):  # drawn on the CPU, then moved to the default device
+            self.gate = nn.Linear(embed_dim, num_experts, bias=False)
+            nn.init.xavier_normal_(self.gate.weight)
+            if noise > 0:
+                self.noise_proj = nn.Linear(embed_dim, num_experts, bias=False)
+                nn.init.zeros_(self.noise_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
