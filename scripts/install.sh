@@ -50,6 +50,21 @@ if { [ ! -d "$SWORD_ZTEXT/engKJV2006eb" ] || [ ! -d "$SWORD_ZTEXT/spaRV1909eb" ]
     || echo "[install] warning: could not install the SWORD modules; the NMT data and --corpus web need them" >&2
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# The lowest transformers the export supports, beside the installed one, for tests/interop: the pins of
+# torchscale_fairseq/interop/transformers-floor.txt, --no-deps into $VENV/transformers-floor/ (only the
+# tests' floor worker puts it on PYTHONPATH); redone whenever that list changes.
+FLOOR_REQS="$ROOT/torchscale_fairseq/interop/transformers-floor.txt"
+FLOOR_DIR="$VENV/transformers-floor"
+if ! cmp -s "$FLOOR_REQS" "$FLOOR_DIR/requirements.txt"; then
+  echo "[install] transformers floor copy: $FLOOR_DIR"
+  rm -rf "$FLOOR_DIR" "$FLOOR_DIR.tmp"
+  if "${PIP[@]}" install --no-deps --target "$FLOOR_DIR.tmp" -r "$FLOOR_REQS"; then
+    cp "$FLOOR_REQS" "$FLOOR_DIR.tmp/requirements.txt" && mv "$FLOOR_DIR.tmp" "$FLOOR_DIR"
+  else
+    rm -rf "$FLOOR_DIR.tmp"
+    echo "[install] warning: could not install $FLOOR_REQS; the floor half of tests/interop/test_hf_export.py will fail" >&2
+  fi
+fi
 STAMP="$VENV/.torchscale_fairseq_installed"
 HASH="$( (cat "$ROOT/setup.py" "$ROOT/scripts/install.sh"; echo "$TORCH_SPEC ${NUMPY_SPEC:-}") | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ]; then

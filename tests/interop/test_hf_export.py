@@ -1,10 +1,16 @@
 """``ts-export-hf``: the exported folder, loaded by ``transformers`` offline, computes what the
-fairseq model computes (next-token logits, greedy decoding with the KV cache against fairseq's
-``SequenceGenerator``), for every backbone, dense and X-MoE; bad inputs get one line."""
+fairseq model computes (next-token logits; greedy and beam-5 decoding with the KV cache against
+fairseq's ``SequenceGenerator``), for every backbone, dense and X-MoE; bad inputs get one line.
+
+The checks that export and load a folder run twice (parameter ``hf``): with the installed (newest)
+transformers in this process, and with the lowest supported one (the floor,
+``torchscale_fairseq/interop/transformers-floor.txt``) in a worker process (``tests/interop/hf_side.py``).
+The fairseq side, the reference, always runs here."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,8 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="needs the export extra: pip install -e .[export]")
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel  # noqa: E402
 
+from tests.interop import hf_side  # noqa: E402
 from tests.model_utils import FakeTask, dictionary  # noqa: E402
 from tests.model_utils import args as model_args
 from torchscale_fairseq.errors import TsConfigError  # noqa: E402
@@ -64,86 +70,124 @@ def tokens_of(d: Dictionary, batch: int, length: int, seed: int) -> torch.Tensor
     return tokens
 
 
-def fairseq_greedy(model: TsLanguageModel, d: Dictionary, prefix: torch.Tensor, total: int) -> list[list[int]]:
-    """Greedy (beam 1) continuations of ``prefix`` as fairseq-interactive decodes an LM:
-    ``</s>`` first, then the forced prefix; the final (forced) ``</s>`` dropped."""
-    gen = SequenceGenerator([model], d, beam_size=1, max_len_b=total, min_len=1)
-    sample = {"net_input": {"src_tokens": prefix, "src_lengths": torch.full((prefix.size(0),), prefix.size(1))}}
-    hypos = gen.generate([model], sample, prefix_tokens=prefix, bos_token=d.eos())
-    return [h[0]["tokens"][:-1].tolist() for h in hypos]
+@pytest.fixture(scope="session")
+def floor_worker(tmp_path_factory):
+    """The floor-transformers worker, ended with the session."""
+    worker = hf_side.FloorWorker(tmp_path_factory.mktemp("floor-worker"))
+    yield worker
+    worker.close()
+
+
+@pytest.fixture(params=["installed", "floor"])
+def hf(request):
+    """The transformers half of a check (:mod:`tests.interop.hf_side`'s functions), run with the
+    installed transformers or with the floor one."""
+    return hf_side if request.param == "installed" else request.getfixturevalue("floor_worker")
+
+
+def test_declared_floor_is_the_tested_floor():
+    """setup.py's export extra starts transformers at the release the floor checks run against."""
+    setup_py = (hf_side.REPO_ROOT / "setup.py").read_text()
+    declared = re.findall(r'"transformers>=([0-9][^",<]*)', setup_py)
+    assert declared == [hf_side.floor_version()], f"setup.py declares transformers>={declared}"
+
+
+def fairseq_search(model: TsLanguageModel, d: Dictionary, prefix: torch.Tensor, total: int,
+                   beam: int) -> list[tuple[list[int], float]]:
+    """The best hypothesis per row of ``prefix`` (its tokens after ``</s>``, up to and with the
+    final ``</s>``, and its score) as fairseq-generate / fairseq-interactive search an LM: ``</s>``
+    first, then the forced prefix, ``total`` tokens before a forced ``</s>``, length penalty 1."""
+    gen = SequenceGenerator([model], d, beam_size=beam, max_len_b=total, min_len=1)
+    src = prefix if prefix.size(1) else torch.full((prefix.size(0), 1), d.eos())
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((src.size(0),), src.size(1))}}
+    hypos = gen.generate([model], sample, prefix_tokens=prefix if prefix.size(1) else None, bos_token=d.eos())
+    return [(h[0]["tokens"].tolist(), h[0]["score"].item()) for h in hypos]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_export_matches_fairseq(case, tmp_path):
+def test_export_matches_fairseq(case, hf, tmp_path):
     d = dictionary()
     model, a = build_lm(d, **CASES[case])
-    export_hf(str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), str(tmp_path / "hf"))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    folder = str(tmp_path / "hf")
+    hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), out=folder)
     tokens = tokens_of(d, 3, 11, seed=1)
     with torch.no_grad():
         ref = model(tokens)[0]
-        got = hf(tokens).logits
+    got = hf.forward(folder=folder, tokens=tokens)["logits"]
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4
 
-    # with a capacity the routing depends on the batch, and fairseq drops finished rows from it
-    rows = 1 if CASES[case].get("moe_eval_capacity_factor", 0) > 0 else 2
-    assert_same_greedy(model, hf, d, tokens[:rows, :5], total=12)
+    # with a capacity the routing depends on the batch: fairseq drops finished rows from it, and while
+    # it forces a prefix its placeholder beams hold other tokens than generate()'s (one row, no prefix)
+    capacity = CASES[case].get("moe_eval_capacity_factor", 0) > 0
+    rows = 1 if capacity else 2
+    assert_same_greedy(model, hf, folder, d, tokens[:rows, :5], total=12)
+    assert_same_beam(model, hf, folder, d, tokens[:rows, 1:1 if capacity else 4], total=12)
 
 
-def assert_same_greedy(model, hf, d: Dictionary, prompt: torch.Tensor, total: int) -> None:
+def assert_same_greedy(model, hf, folder: str, d: Dictionary, prompt: torch.Tensor, total: int) -> None:
     """``generate()`` (KV cache) continues ``prompt`` (``</s>`` + prefix) as fairseq's greedy search."""
-    expected = fairseq_greedy(model, d, prompt[:, 1:], total)
-    with torch.no_grad():
-        out = hf.generate(prompt, max_new_tokens=total, do_sample=False, num_beams=1, bad_words_ids=[[d.pad()]],
-                          eos_token_id=d.eos(), pad_token_id=d.pad())
+    expected = [tokens[:-1] for tokens, _ in fairseq_search(model, d, prompt[:, 1:], total, beam=1)]
+    out = hf.greedy(folder=folder, prompt=prompt, max_new_tokens=total, pad=d.pad(), eos=d.eos())
     assert [row[1:1 + len(e)].tolist() for row, e in zip(out, expected)] == expected
 
 
-def test_padded_batch_and_loss(tmp_path):
+def assert_same_beam(model, hf, folder: str, d: Dictionary, prefix: torch.Tensor, total: int) -> None:
+    """``generate(num_beams=5)`` (KV cache reordered between steps) finds fairseq's best beam-5
+    hypothesis after ``prefix``, with its score (length penalty 1)."""
+    expected = fairseq_search(model, d, prefix, total, beam=5)
+    got = hf.beam(folder=folder, prefix=prefix, total=total, beams=5, pad=d.pad(), eos=d.eos())
+    assert got["tokens"] == [tokens for tokens, _ in expected]
+    assert torch.allclose(got["scores"], torch.tensor([score for _, score in expected]), atol=1e-4)
+
+
+def test_padded_batch_and_loss(hf, tmp_path):
     """Left padding: each sequence's logits are those of the unpadded sequence (fairseq's
     positions skip pads); ``labels`` give fairseq's mean next-token cross-entropy."""
     d = dictionary()
     model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1, decoder_learned_pos=True)
-    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    folder = str(tmp_path / "hf")
+    hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt")), out=folder)
     tokens = tokens_of(d, 2, 9, seed=3)
     padded = tokens.clone()
     padded[1, :3] = d.pad()
-    mask = padded.ne(d.pad()).long()
+    got = hf.forward(folder=folder, tokens=padded, attention_mask=padded.ne(d.pad()).long())["logits"][1, 3:]
+    loss = hf.forward(folder=folder, tokens=tokens, labels=tokens)["loss"]
     with torch.no_grad():
-        got = hf(padded, attention_mask=mask).logits[1, 3:]
         ref = model(tokens[1:, 3:])[0][0]
-        loss = hf(tokens, labels=tokens).loss
         lprobs = model.get_normalized_probs(model(tokens), log_probs=True)
     assert (got - ref).abs().max().item() < 1e-4
     nll = -lprobs[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
     assert abs(loss.item() - nll.item()) < 1e-5
 
 
-def test_sharded_safetensors(tmp_path):
+def test_sharded_safetensors(hf, tmp_path):
     d = dictionary()
     model, a = build_lm(d, backbone="preln")
-    files = export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), max_shard_size="50KB")
+    folder = str(tmp_path / "hf")
+    files = hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt")), out=folder, max_shard_size="50KB")
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     tokens = tokens_of(d, 2, 7, seed=2)
     with torch.no_grad():
-        assert (hf(tokens).logits - model(tokens)[0]).abs().max().item() < 1e-4
+        ref = model(tokens)[0]
+    assert (hf.forward(folder=folder, tokens=tokens)["logits"] - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_native_gpt2(tied, tmp_path):
+def test_native_gpt2(tied, hf, tmp_path):
     """A Pre-LN dense model with learned positions is a stock ``GPT2LMHeadModel``."""
     d = dictionary()
     extra = dict(no_scale_embedding=True) if tied else dict(share_decoder_input_output_embed=False)
     model, a = build_lm(d, backbone="preln", decoder_learned_pos=True, **extra)
-    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), fmt="gpt2")
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    folder = str(tmp_path / "hf")
+    hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt")), out=folder, fmt="gpt2")
     tokens = tokens_of(d, 2, 10, seed=4)
+    got = hf.forward(folder=folder, tokens=tokens)
+    assert got["class"] == "GPT2LMHeadModel"
     with torch.no_grad():
-        assert (hf(tokens).logits - model(tokens)[0]).abs().max().item() < 1e-4
-    assert_same_greedy(model, hf, d, tokens[:2, :4], total=9)
+        assert (got["logits"] - model(tokens)[0]).abs().max().item() < 1e-4
+    assert_same_greedy(model, hf, folder, d, tokens[:2, :4], total=9)
+    assert_same_beam(model, hf, folder, d, tokens[:2, 1:4], total=9)
 
 
 def test_gpt2_format_refuses_other_math(tmp_path):
@@ -154,7 +198,7 @@ def test_gpt2_format_refuses_other_math(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_gpt2_tokenizer_gives_fairseq_ids(tmp_path):
+def test_gpt2_tokenizer_gives_fairseq_ids(hf, tmp_path):
     """With the GPT-2 BPE dictionary the folder has a tokenizer whose ids are the fairseq ids
     (GPT-2 id + 4, ``</s>`` first), checked against tiktoken's GPT-2 encoding."""
     from data_prep.prepare_lm import write_gpt2_dict
@@ -163,12 +207,12 @@ def test_gpt2_tokenizer_gives_fairseq_ids(tmp_path):
     write_gpt2_dict(tmp_path / "dict.txt", gpt2_bpe.N_VOCAB)
     d = Dictionary.load(str(tmp_path / "dict.txt"))
     model, a = build_lm(d, backbone="magneto", decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
-    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt", data=tmp_path)), str(tmp_path / "hf"))
-    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    folder = str(tmp_path / "hf")
+    hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt", data=tmp_path)), out=folder)
     text = "Hello world, it's 2026!\n  The café's naïve résumé\t— ok"
-    ids = tok(text).input_ids
-    assert ids == [d.eos()] + [i + 4 for i in gpt2_bpe.encode(text)]
-    assert tok.decode(ids, skip_special_tokens=True) == text
+    got = hf.tokenize(folder=folder, text=text)
+    assert got["ids"] == [d.eos()] + [i + 4 for i in gpt2_bpe.encode(text)]
+    assert got["decoded"] == text
 
 
 def test_bad_inputs_one_line_nothing_overwritten(tmp_path):

@@ -9,11 +9,12 @@ Pre-LN and Magneto ``x + f(LN(x))``; Post-LN ``LN(x + f(x))``; DeepNorm ``LN(alp
 Magneto (Sub-LN) adds a LayerNorm before the attention output projection and before ``fc2``.
 Input: ``embed_scale * E[token] + P[position]`` with fairseq's positions (``pad + 1 + number of
 real tokens before``), optional LayerNorm. Keys and values are cached per layer
-(``past_key_values``, a ``transformers`` ``Cache``) for ``generate()``.
+(a ``transformers`` ``Cache``, passed as ``cache`` or ``past_key_values``) for ``generate()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -25,6 +26,25 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_ts_lm import TsLMConfig
+
+# transformers 5.24 renamed the cache of every model from ``past_key_values`` to ``cache``: generate()
+# passes ``cache=`` to forward() (prepare_inputs_for_generation) and reads the output's ``cache``
+# (_update_model_kwargs_for_generation), and CausalLMOutputWithPast's field is ``cache`` (5.0-5.23:
+# ``past_key_values`` all three). A forward() that only took ``past_key_values`` got no cache from 5.24's
+# generate(), started an empty one at every step and attended to the newest token only. forward() takes
+# either name, and the output carries the cache in the field the installed CausalLMOutputWithPast declares.
+CACHE_FIELD = ("cache" if any(f.name == "cache" for f in dataclasses.fields(CausalLMOutputWithPast))
+               else "past_key_values")
+
+
+def given_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
+    """The cache passed under either name (``cache``: transformers >= 5.24; ``past_key_values``: before)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("both cache= and past_key_values= were passed: pass the cache once")
+    given = past_key_values if cache is None else cache
+    if given is not None and not isinstance(given, Cache):
+        raise TypeError(f"the cache is a {type(given).__name__}, not a transformers Cache: pass a DynamicCache")
+    return given
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -96,15 +116,14 @@ class TsAttention(nn.Module):
         self.inner_attn_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.subln else None
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], past_key_values: Optional[Cache],
-                past: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[Cache], past: int) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (y.transpose(1, 2) for y in self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(2))
         if self.xpos_scale_base is not None:
             q = xpos_rotate(q, past, self.xpos_scale_base, downscale=False)
             k = xpos_rotate(k, past, self.xpos_scale_base, downscale=True)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         is_causal = mask is None and t > 1 and t == k.size(2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              dropout_p=self.dropout if self.training else 0.0)
@@ -245,8 +264,8 @@ class TsLayer(nn.Module):
         return norm(x * self.alpha + F.dropout(fn(x), self.dropout, self.training))
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], keep: Optional[torch.Tensor],
-                past_key_values: Optional[Cache], past: int) -> torch.Tensor:
-        x = self.sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, mask, past_key_values, past))
+                cache: Optional[Cache], past: int) -> torch.Tensor:
+        x = self.sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, mask, cache, past))
         return self.sublayer(x, self.final_layer_norm, lambda h: self.ffn(h, keep))
 
 
@@ -319,16 +338,19 @@ class TsLMModel(TsLMPreTrainedModel):
         self,
         input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         use_cache: Optional[bool] = None,
+        past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> tuple[torch.Tensor, Optional[Cache]]:
-        """Hidden states after the last layer (and final LayerNorm) and the cache."""
+        """Hidden states after the last layer (and final LayerNorm) and the cache (``past_key_values``
+        is the name of ``cache`` before transformers 5.24)."""
+        cache = given_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         b, t = input_ids.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.size(1) != past + t:
             raise ValueError(f"attention_mask covers {attention_mask.size(1)} tokens, expected {past + t}")
         x = self.embed_tokens(input_ids) * self.config.embed_scale
@@ -344,10 +366,10 @@ class TsLMModel(TsLMPreTrainedModel):
         mask = self.attention_mask_4d(attention_mask, t, past + t, past, x.dtype, x.device)
         keep = attention_mask[:, -t:].bool() if attention_mask is not None and past == 0 else None
         for layer in self.layers:
-            x = layer(x, mask, keep, past_key_values if use_cache else None, past)
+            x = layer(x, mask, keep, cache if use_cache else None, past)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        return x, past_key_values if use_cache else None
+        return x, cache if use_cache else None
 
 
 class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
@@ -375,17 +397,19 @@ class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         logits_to_keep: int = 0,
+        past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits of the next token at every position (the last ``logits_to_keep`` if > 0);
-        with ``labels``, the mean cross-entropy of predicting ``labels[:, 1:]`` (-100 ignored)."""
-        hidden, cache = self.model(input_ids, attention_mask, past_key_values, use_cache)
+        with ``labels``, the mean cross-entropy of predicting ``labels[:, 1:]`` (-100 ignored).
+        The cache goes in as ``cache`` or ``past_key_values`` and comes out under ``CACHE_FIELD``."""
+        hidden, cache = self.model(input_ids, attention_mask, cache, use_cache, past_key_values)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
