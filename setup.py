@@ -7,12 +7,13 @@ setup(
     packages=find_packages(include=["torchscale_fairseq", "torchscale_fairseq.*"]),
     package_data={"torchscale_fairseq.interop": ["hf_modeling/*.py"]},
     # Supported ranges, each end tested by scripts/compat_matrix.sh (README, "Supported versions").
-    python_requires=">=3.10,<3.13",
+    # Python 3.10 would need stock fairseq 0.12.2, whose pins (hydra-core<1.1, omegaconf<2.1) carry
+    # metadata pip >= 24.1 rejects: it no longer installs.
+    python_requires=">=3.11,<3.13",
     install_requires=[
         "torch>=2.11,<2.15",
         "numpy>=1.26,<2.6",
-        "fairseq-fixed==0.12.3.1; python_version >= '3.11'",
-        "fairseq==0.12.2; python_version < '3.11'",
+        "fairseq-fixed==0.12.3.1",
         "sentencepiece",
         "tiktoken",
         "sacrebleu",

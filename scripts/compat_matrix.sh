@@ -17,7 +17,6 @@ MATRIX_DIR="${MATRIX_DIR:-/tmp/ts-compat-matrix}"
 
 # name | python | torch | numpy: the floors, the GPU node's stack, the newest releases
 CELLS=(
-  "py310-torch211|3.10|torch==2.11.0|numpy==1.26.4"
   "py311-torch211|3.11|torch==2.11.0|numpy==1.26.4"
   "py311-torch2141|3.11|torch==2.14.1|numpy==2.4.6"
   "py312-torch211|3.12|torch==2.11.0|numpy==2.5.2"

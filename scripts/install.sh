@@ -22,6 +22,11 @@ case "$TORCH_BUILD" in
   cuda|cpu) ;;
   *) echo "[install] error: TORCH_BUILD=$TORCH_BUILD is neither cpu nor cuda: set TORCH_BUILD=cpu or TORCH_BUILD=cuda" >&2; exit 2 ;;
 esac
+PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+case "$PYVER" in
+  3.11 | 3.12) ;;
+  *) echo "[install] error: $PY is Python $PYVER; torchscale-fairseq supports Python 3.11 and 3.12: set PYTHON=python3.11 or python3.12" >&2; exit 2 ;;
+esac
 TORCH_INDEX=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
   TORCH_INDEX=(--index-url "$TORCH_INDEX_URL")
@@ -85,8 +90,7 @@ PIP_INSTALL=("${PIP[@]}" install -c "$TORCH_PIN")
 # fairseq's extensions are built against NumPy 2 (such builds also run on NumPy 1.x), so a wheel
 # pip caches here serves every numpy in the supported range.
 "${PIP_INSTALL[@]}" "numpy>=2" cython "packaging"
-PYMINOR="$("$VENV/bin/python" -c 'import sys; print(sys.version_info[1])')"
-if [ "$PYMINOR" -ge 11 ]; then FAIRSEQ="fairseq-fixed==0.12.3.1"; else FAIRSEQ="fairseq==0.12.2"; fi
+FAIRSEQ="fairseq-fixed==0.12.3.1"
 if ! "$VENV/bin/python" -c "import fairseq" 2>/dev/null; then
   echo "[install] $FAIRSEQ (no build isolation)"
   "${PIP_INSTALL[@]}" --no-build-isolation "$FAIRSEQ"

@@ -73,3 +73,16 @@ def test_bad_build_name_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "[install] error: TORCH_BUILD=rocm is neither cpu nor cuda: set TORCH_BUILD=cpu or TORCH_BUILD=cuda")
+
+
+def test_unsupported_python_is_one_line(tmp_path):
+    """A Python outside 3.11-3.12 stops before anything is made, naming the fix."""
+    fake = tmp_path / "python-3.10"
+    fake.write_text("#!/bin/sh\necho 3.10\n")
+    fake.chmod(0o755)
+    proc = decision(tmp_path, None, PYTHON=str(fake), INSTALL_DRY_RUN="0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"[install] error: {fake} is Python 3.10; torchscale-fairseq supports Python 3.11 and 3.12: "
+        "set PYTHON=python3.11 or python3.12")
+    assert not (tmp_path / "venv").exists()
