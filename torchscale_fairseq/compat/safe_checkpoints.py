@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import typing
 from typing import List
 
@@ -30,8 +31,8 @@ def allowed_globals() -> List[object]:
     allowed += [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int]
     # ... with its tensors sent apart, each replaced by an index (a frozen dataclass of one int)
     allowed.append(_TensorPlaceholder)
-    core = getattr(np, "_core", None) or np.core
-    allowed.append(core.multiarray.scalar)
+    # numpy >= 1.26 has the module (1.26's np._core does not import it; its scalar names numpy.core)
+    allowed.append(importlib.import_module("numpy._core.multiarray").scalar)
     for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):
         dtype_cls = getattr(getattr(np, "dtypes", None), name, None)
         if dtype_cls is not None:
