@@ -15,7 +15,8 @@
 #      chrF on the held-out test set (scripts/nmt/evaluate.sh) beside those of copying the English
 #      source (data_prep.nmt_baseline),
 #   6. plot validation perplexity, routing entropy and clipped updates (ts-plot-logs) into $PLOT_DIR
-#      and print a summary table. NMT=0 skips the translation part.
+#      and print a summary table, with the ts-export-hf command that exports the LM to transformers.
+#      NMT=0 skips the translation part.
 # Defaults (docs/results.md, section 5: timing, numbers and every configuration tried): 1200 LM updates
 # of 8 x 128 tokens (lr 4e-3, linear decay, weight decay 0.3, no dropout) beside 1600 NMT updates of
 # 2048 tokens (d=128, FFN 512, lr 5e-3, no dropout), beam 4: 10 min 24 s from a fresh clone on 2 idle
@@ -223,6 +224,7 @@ echo
 echo "================ demo summary ================"
 echo "data:        $DATA_DIR (GPT-2 BPE; fairseq id = GPT-2 id + 4)"
 echo "model:       $ARCH, backbone $BACKBONE, ${ADAPTIVE_CUTOFF:+adaptive input/softmax at $ADAPTIVE_CUTOFF, }${UPDATES:-?} updates, $SAVE_DIR/checkpoint_best.pt"
+echo "export:      $VENV/bin/ts-export-hf $SAVE_DIR/checkpoint_best.pt $SAVE_DIR/hf  (a transformers folder, loaded with trust_remote_code=True: docs/interop.md)"
 echo "valid:       perplexity ${VALID_PPL:-?} (loss ${VALID_LOSS:-?} bits/token) on the held-out articles"
 echo "baseline:    perplexity ${UNIGRAM_PPL:-?} for word frequencies alone (add-one unigram of the training tokens);"
 echo "             unigram / model = $(awk -v m="${VALID_PPL:-0}" -v u="${UNIGRAM_PPL:-0}" 'BEGIN { if (m > 0) printf "%.2fx", u / m; else printf "?" }'): what the model gains from context (1x: nothing beyond word frequencies)"

@@ -1,6 +1,7 @@
 """``ts-export-hf``: the exported folder, loaded by ``transformers`` offline, computes what the
 fairseq model computes (next-token logits; greedy and beam-5 decoding with the KV cache against
-fairseq's ``SequenceGenerator``), for every backbone, dense and X-MoE; bad inputs get one line.
+fairseq's ``SequenceGenerator``), for every backbone, dense and X-MoE, and with fairseq's adaptive
+input / adaptive softmax (log-probabilities; greedy decoding); bad inputs get one line.
 
 The checks that export and load a folder run twice (parameter ``hf``): with the installed (newest)
 transformers in this process, and with the lowest supported one (the floor,
@@ -40,6 +41,18 @@ CASES = {
     "postln-dense": dict(backbone="postln", no_token_positional_embeddings=True, rel_pos_buckets=8),
     "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, decoder_learned_pos=True,
                        activation_fn="swiglu", moe_eval_capacity_factor=0.5),
+}
+
+# fairseq's adaptive input / adaptive softmax (vocabulary 48: bands cut at 20 and 40), tied or not;
+# "tied-proj" is the demo's LM
+ADAPTIVE = dict(share_decoder_input_output_embed=False, adaptive_softmax_cutoff="20,40")
+ADAPTIVE_CASES = {
+    "softmax-only": dict(ADAPTIVE, adaptive_softmax_factor=2, backbone="preln", decoder_learned_pos=True),
+    "untied": dict(ADAPTIVE, adaptive_input=True, adaptive_input_cutoff="10,30", adaptive_input_factor=2,
+                   adaptive_softmax_dropout=0.1),
+    "tied": dict(ADAPTIVE, adaptive_input=True, tie_adaptive_weights=True, backbone="deepnorm"),
+    "tied-proj": dict(ADAPTIVE, adaptive_input=True, adaptive_input_factor=2, adaptive_softmax_factor=2,
+                      tie_adaptive_weights=True, tie_adaptive_proj=True, adaptive_softmax_dropout=0.1),
 }
 
 
@@ -141,6 +154,33 @@ def assert_same_beam(model, hf, folder: str, d: Dictionary, prefix: torch.Tensor
     assert torch.allclose(got["scores"], torch.tensor([score for _, score in expected]), atol=1e-4)
 
 
+@pytest.mark.parametrize("case", sorted(ADAPTIVE_CASES))
+def test_adaptive_export_matches_fairseq(case, hf, tmp_path):
+    """Adaptive input / softmax: the exported logits are fairseq's log-probabilities
+    (``get_normalized_probs``) over the whole vocabulary, the loss is their mean NLL, greedy
+    ``generate()`` is fairseq's greedy search; tied weights are written once."""
+    d = dictionary()
+    model, a = build_lm(d, **ADAPTIVE_CASES[case])
+    folder = str(tmp_path / "hf")
+    files = hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), out=folder)
+    tokens = tokens_of(d, 3, 11, seed=1)
+    got = hf.forward(folder=folder, tokens=tokens, labels=tokens)
+    with torch.no_grad():
+        ref = model.get_normalized_probs(model(tokens), log_probs=True)
+    assert got["logits"].shape == ref.shape == (3, 11, len(d))
+    assert (got["logits"] - ref).abs().max().item() < 1e-4
+    nll = -ref[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
+    assert abs(got["loss"].item() - nll.item()) < 1e-5
+    assert_same_greedy(model, hf, folder, d, tokens[:2, :5], total=12)
+    if case.startswith("tied"):
+        from safetensors.torch import load_file
+
+        names = load_file(str(Path(folder) / next(f for f in files if f.endswith(".safetensors")))).keys()
+        assert "lm_head.head.class_proj.weight" in names and not any(".word_proj." in n for n in names)
+        assert not any(re.fullmatch(r"lm_head\.tail\.\d+\.2\.weight", n) for n in names)
+        assert any(re.fullmatch(r"lm_head\.tail\.\d+\.0\.weight", n) for n in names) == (case == "tied")
+
+
 def test_padded_batch_and_loss(hf, tmp_path):
     """Left padding: each sequence's logits are those of the unpadded sequence (fairseq's
     positions skip pads); ``labels`` give fairseq's mean next-token cross-entropy."""
@@ -190,10 +230,14 @@ def test_native_gpt2(tied, hf, tmp_path):
     assert_same_beam(model, hf, folder, d, tokens[:2, 1:4], total=9)
 
 
-def test_gpt2_format_refuses_other_math(tmp_path):
+@pytest.mark.parametrize("overrides, what", [
+    (dict(backbone="magneto"), "--backbone magneto"),
+    (dict(ADAPTIVE_CASES["softmax-only"], no_scale_embedding=True), "an adaptive input or adaptive softmax"),
+], ids=["magneto", "adaptive"])
+def test_gpt2_format_refuses_other_math(overrides, what, tmp_path):
     d = dictionary()
-    model, a = build_lm(d, backbone="magneto")
-    with pytest.raises(TsConfigError, match="--format gpt2 cannot express --backbone magneto"):
+    model, a = build_lm(d, **overrides)
+    with pytest.raises(TsConfigError, match=f"^--format gpt2 cannot express {what}"):
         export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"), fmt="gpt2")
     assert not (tmp_path / "hf").exists()
 
@@ -236,11 +280,13 @@ def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
     state["cfg"]["model"]["_name"] = "transformer_lm"
     torch.save(state, tmp_path / "other.pt")
     assert "is not a ts_lm" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
-    # a model with an adaptive softmax (not implemented by the exported model)
+    # adaptive options that no ts_lm can have been trained with
     state = torch.load(ckpt, weights_only=False)
-    state["cfg"]["model"]["adaptive_softmax_cutoff"] = "20,40"
+    state["cfg"]["model"].update(adaptive_softmax_cutoff="20,40", share_decoder_input_output_embed=False,
+                                 tie_adaptive_proj=True)
     torch.save(state, tmp_path / "adaptive.pt")
-    assert "adaptive softmax" in error(str(tmp_path / "adaptive.pt"), str(tmp_path / "o6"))
+    assert "--tie-adaptive-proj needs --tie-adaptive-weights" in error(str(tmp_path / "adaptive.pt"),
+                                                                       str(tmp_path / "o6"))
     # a missing checkpoint / a missing expert shard / one expert shard passed alone
     assert "no checkpoint" in error(str(tmp_path / "missing.pt"), str(tmp_path / "o2"))
     state = torch.load(ckpt, weights_only=False)

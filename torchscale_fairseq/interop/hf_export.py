@@ -6,7 +6,8 @@ Two formats:
   ``max_shard_size``), ``configuration_ts_lm.py`` / ``modeling_ts_lm.py`` (self-contained,
   :mod:`torchscale_fairseq.interop.hf_modeling`), loaded with ``trust_remote_code=True``.
   Parameter names are the fairseq ones with ``decoder.`` -> ``model.`` and
-  ``decoder.output_projection`` -> ``lm_head``.
+  ``decoder.output_projection`` (or ``decoder.adaptive_softmax``) -> ``lm_head``; an adaptive
+  softmax's copies of tied adaptive input weights are written once, as the input's.
 - ``gpt2``: a native ``GPT2LMHeadModel`` when the math is GPT-2's: ``--backbone preln``, dense,
   learned positions, gelu or relu, no embedding LayerNorm, no relative positions or xPos, and
   the embedding scale 1 (``--no-scale-embedding``) unless the output embedding is untied
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,7 +40,7 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 from torchscale_fairseq.models.config import validate_common
-from torchscale_fairseq.models.lm import TsLanguageModel
+from torchscale_fairseq.models.lm import TsLanguageModel, check_adaptive, parse_cutoffs
 
 MODELING_DIR = Path(__file__).parent / "hf_modeling"
 MODELING_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
@@ -61,10 +63,8 @@ def model_args(state: dict[str, Any]) -> argparse.Namespace:
         raise TsConfigError(f"architecture {arch!r} is not a ts_lm: ts-export-hf exports ts_lm_* language models "
                             "(ts_transformer and ts_mlm are not supported yet)")
     args = argparse.Namespace(**fields)
-    if getattr(args, "adaptive_input", False) or getattr(args, "adaptive_softmax_cutoff", None):
-        raise TsConfigError("the model uses adaptive input or an adaptive softmax, which the exported model does not "
-                            "implement: export a model trained without --adaptive-input / --adaptive-softmax-cutoff")
     ARCH_CONFIG_REGISTRY[arch](args)
+    check_adaptive(args)
     if getattr(args, "max_target_positions", None) is None:
         args.max_target_positions = args.tokens_per_sample
     validate_common(args)
@@ -85,31 +85,63 @@ def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dicti
     return Dictionary.load(dict_path)
 
 
-def _hf_name(name: str) -> str | None:
-    """The exported name of fairseq parameter ``name`` (``None``: not exported)."""
-    if name == "decoder.version" or ".noise_proj." in name or not name.startswith("decoder."):
+def _hf_name(name: str, args: argparse.Namespace) -> str | None:
+    """The exported name of fairseq parameter ``name`` (``None``: not exported: buffers, the
+    training-only noise projection, and the adaptive softmax's copies of tied adaptive input weights)."""
+    if (name.endswith((".version", "._float_tensor")) or ".noise_proj." in name or not name.startswith("decoder.")
+            or name == "decoder.adaptive_softmax.head.word_proj.weight"
+            or (args.tie_adaptive_weights and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.2\.weight", name))
+            or (args.tie_adaptive_proj and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.0\.weight", name))):
         return None
     rest = name[len("decoder."):]
     if rest == "output_projection.weight":
         return "lm_head.weight"
+    if rest.startswith("adaptive_softmax."):
+        return "lm_head." + rest[len("adaptive_softmax."):]
     if rest.startswith("embed."):
         rest = rest[len("embed."):]
     return "model." + rest
 
 
-def ts_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def ts_tensors(weights: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The fairseq parameters under their exported names (format ``ts``)."""
     out = {}
     for name, tensor in weights.items():
-        new = _hf_name(name)
+        new = _hf_name(name, args)
         if new is not None:
             out[new] = tensor
     return out
 
 
-def gpt2_refusal(cfg: StackConfig, tied: bool) -> str | None:
+def adaptive_options(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """The adaptive input / softmax options of :class:`TsLMConfig`: cutoffs as band edges ending at
+    ``vocab`` (fairseq's ``AdaptiveInput`` / ``AdaptiveSoftmax`` append it), the input's defaulting
+    to the softmax's."""
+
+    def edges(text: str | None, flag: str) -> list[int] | None:
+        cutoffs = parse_cutoffs(text, vocab, flag)
+        return cutoffs if cutoffs is None or cutoffs[-1] == vocab else cutoffs + [vocab]
+
+    softmax = edges(args.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
+    inputs = (edges(args.adaptive_input_cutoff, "--adaptive-input-cutoff") or softmax) if args.adaptive_input else None
+    return {"adaptive_input_cutoff": inputs, "adaptive_input_factor": float(args.adaptive_input_factor),
+            "adaptive_softmax_cutoff": softmax, "adaptive_softmax_factor": float(args.adaptive_softmax_factor),
+            "adaptive_softmax_dropout": float(args.adaptive_softmax_dropout),
+            "tie_adaptive_weights": bool(args.tie_adaptive_weights), "tie_adaptive_proj": bool(args.tie_adaptive_proj)}
+
+
+def vocab_size(weights: dict[str, torch.Tensor]) -> int:
+    """Rows of the input embedding (summed over the bands of an adaptive input)."""
+    if "decoder.embed.embed_tokens.weight" in weights:
+        return weights["decoder.embed.embed_tokens.weight"].size(0)
+    band = re.compile(r"decoder\.embed\.embed_tokens\.embeddings\.\d+\.0\.weight")
+    return sum(t.size(0) for name, t in weights.items() if band.fullmatch(name))
+
+
+def gpt2_refusal(cfg: StackConfig, tied: bool, adaptive: bool) -> str | None:
     """Why ``cfg`` is not a GPT-2 (``None`` when it is)."""
     checks = [
+        (adaptive, "an adaptive input or adaptive softmax"),
         (cfg.backbone.name != "preln", f"--backbone {cfg.backbone.name} (GPT-2 is preln)"),
         (cfg.moe is not None, "X-MoE layers"),
         (cfg.positions != "learned", f"{cfg.positions} positions (GPT-2 learns them: --decoder-learned-pos)"),
@@ -148,7 +180,7 @@ def gpt2_tensors(weights: dict[str, torch.Tensor], cfg: StackConfig, pad: int) -
     return out
 
 
-def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int]):
+def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int], adaptive: dict[str, Any]):
     from torchscale_fairseq.interop.hf_modeling.configuration_ts_lm import TsLMConfig
 
     moe = cfg.moe
@@ -165,7 +197,7 @@ def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int]
         moe_router_dim=moe.router_dim if moe else 16,
         moe_eval_capacity_factor=moe.eval_capacity_factor if moe else 0.0,
         moe_normalize_gate_prob_before_dropping=moe.normalize_gate_prob_before_dropping if moe else False,
-        tie_word_embeddings=tied, **specials,
+        tie_word_embeddings=tied, **adaptive, **specials,
     )
     config.architectures = ["TsLMForCausalLM"]
     config.auto_map = {"AutoConfig": "configuration_ts_lm.TsLMConfig",
@@ -257,7 +289,7 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     cfg = StackConfig.from_args(args, "decoder", "decoder_only")
     weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     _check_experts(weights, cfg)
-    vocab = weights["decoder.embed.embed_tokens.weight"].size(0)
+    vocab = vocab_size(weights)
     dictionary = checkpoint_dictionary(state, dict_path)
     if dictionary is not None and len(dictionary) != vocab:
         raise TsConfigError(f"the dictionary has {len(dictionary)} entries but the checkpoint's embedding "
@@ -265,16 +297,17 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     pad = dictionary.pad() if dictionary is not None else 1
     eos = dictionary.eos() if dictionary is not None else 2
     specials = {"pad_token_id": pad, "eos_token_id": eos, "bos_token_id": eos}
-    tied = "decoder.output_projection.weight" not in weights
+    adaptive = adaptive_options(args, vocab)
+    tied = "decoder.output_projection.weight" not in weights and adaptive["adaptive_softmax_cutoff"] is None
     if fmt == "gpt2":
-        reason = gpt2_refusal(cfg, tied)
+        reason = gpt2_refusal(cfg, tied, adaptive["adaptive_softmax_cutoff"] is not None)
         if reason is not None:
             raise TsConfigError(f"--format gpt2 cannot express {reason}: export with --format ts")
         if pad != 1:
             raise TsConfigError(f"--format gpt2 needs the padding index 1 (the dictionary has {pad}): use --format ts")
         tensors, config = gpt2_tensors(weights, cfg, pad), gpt2_config(cfg, vocab, tied, specials)
     else:
-        tensors, config = ts_tensors(weights), ts_config(cfg, vocab, tied, specials)
+        tensors, config = ts_tensors(weights, args), ts_config(cfg, vocab, tied, specials, adaptive)
     if dtype is not None:
         tensors = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
     config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -4,6 +4,8 @@ Self-contained: this file is copied into the exported folder and loaded with
 ``trust_remote_code=True``; it imports neither fairseq nor torchscale_fairseq.
 """
 
+from typing import Optional
+
 from transformers import PretrainedConfig
 
 
@@ -18,6 +20,19 @@ class TsLMConfig(PretrainedConfig):
     ``--no-scale-embedding``). ``moe_*``: X-MoE / linear-router experts in every
     ``moe_freq``-th layer, evaluated as fairseq evaluates them (no second-expert sampling,
     capacity ``moe_eval_capacity_factor``, ``<= 0`` = no dropping).
+
+    Adaptive input / softmax (fairseq's ``AdaptiveInput`` / ``AdaptiveSoftmax``): the cutoffs are
+    band edges ending at ``vocab_size`` (band i = ids ``[c_{i-1}, c_i)``, ``c_{-1} = 0``).
+    ``adaptive_input_cutoff`` (``None``: one embedding table): band i is embedded at dimension
+    ``int(hidden_size // adaptive_input_factor**i)`` and projected to ``hidden_size``.
+    ``adaptive_softmax_cutoff`` (``None``: a linear ``lm_head`` whose outputs are logits): the
+    head scores the ``c_0`` frequent ids and one cluster per tail band, tail band i projects to
+    dimension ``int(hidden_size // adaptive_softmax_factor**(i + 1))`` (dropout
+    ``adaptive_softmax_dropout`` after the projection); the model's ``logits`` are then
+    log-probabilities over the whole vocabulary (their log-softmax is themselves), equal to
+    fairseq's ``get_normalized_probs(log_probs=True)``. ``tie_adaptive_weights``: the head's word
+    rows and the tail bands' outputs are the adaptive input's band embeddings;
+    ``tie_adaptive_proj``: the tail projections are its band projections, transposed.
     """
 
     model_type = "ts_lm"
@@ -52,6 +67,13 @@ class TsLMConfig(PretrainedConfig):
         moe_router_dim: int = 16,
         moe_eval_capacity_factor: float = 0.0,
         moe_normalize_gate_prob_before_dropping: bool = False,
+        adaptive_input_cutoff: Optional[list[int]] = None,
+        adaptive_input_factor: float = 4.0,
+        adaptive_softmax_cutoff: Optional[list[int]] = None,
+        adaptive_softmax_factor: float = 4.0,
+        adaptive_softmax_dropout: float = 0.0,
+        tie_adaptive_weights: bool = False,
+        tie_adaptive_proj: bool = False,
         tie_word_embeddings: bool = True,
         bos_token_id: int = 2,
         pad_token_id: int = 1,
@@ -86,6 +108,13 @@ class TsLMConfig(PretrainedConfig):
         self.moe_router_dim = moe_router_dim
         self.moe_eval_capacity_factor = moe_eval_capacity_factor
         self.moe_normalize_gate_prob_before_dropping = moe_normalize_gate_prob_before_dropping
+        self.adaptive_input_cutoff = adaptive_input_cutoff
+        self.adaptive_input_factor = adaptive_input_factor
+        self.adaptive_softmax_cutoff = adaptive_softmax_cutoff
+        self.adaptive_softmax_factor = adaptive_softmax_factor
+        self.adaptive_softmax_dropout = adaptive_softmax_dropout
+        self.tie_adaptive_weights = tie_adaptive_weights
+        self.tie_adaptive_proj = tie_adaptive_proj
         self.use_cache = use_cache
         super().__init__(
             bos_token_id=bos_token_id, pad_token_id=pad_token_id, eos_token_id=eos_token_id,

@@ -8,7 +8,8 @@ Per layer, with ``f`` self-attention or the FFN / MoE block:
 Pre-LN and Magneto ``x + f(LN(x))``; Post-LN ``LN(x + f(x))``; DeepNorm ``LN(alpha x + f(x))``.
 Magneto (Sub-LN) adds a LayerNorm before the attention output projection and before ``fc2``.
 Input: ``embed_scale * E[token] + P[position]`` with fairseq's positions (``pad + 1 + number of
-real tokens before``), optional LayerNorm. Keys and values are cached per layer
+real tokens before``), optional LayerNorm. ``E`` may be an adaptive input and ``lm_head`` an
+adaptive softmax (then the logits are log-probabilities). Keys and values are cached per layer
 (a ``transformers`` ``Cache``, passed as ``cache`` or ``past_key_values``) for ``generate()``.
 """
 
@@ -269,6 +270,85 @@ class TsLayer(nn.Module):
         return self.sublayer(x, self.final_layer_norm, lambda h: self.ffn(h, keep))
 
 
+def bands(cutoffs: list[int]) -> list[tuple[int, int]]:
+    """The id ranges ``[c_{i-1}, c_i)`` (``c_{-1} = 0``) of band edges ``cutoffs``."""
+    return list(zip([0] + cutoffs[:-1], cutoffs))
+
+
+class TsAdaptiveInput(nn.Module):
+    """Adaptive input (Baevski & Auli 2019, fairseq's ``AdaptiveInput``): a token of band i
+    (ids ``[lo, hi)``) is ``W_i E_i[token - lo]``, ``E_i`` of dimension ``int(d // factor**i)``."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.bands = bands(config.adaptive_input_cutoff)
+        self.embeddings = nn.ModuleList()
+        for i, (lo, hi) in enumerate(self.bands):
+            dim = int(d // config.adaptive_input_factor**i)
+            self.embeddings.append(nn.Sequential(nn.Embedding(hi - lo, dim, config.pad_token_id if i == 0 else None),
+                                                 nn.Linear(dim, d, bias=False)))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids -> ``(B, T, d)`` embeddings, each band's tokens through its own table."""
+        out = torch.zeros(*input_ids.shape, self.embeddings[0][1].out_features, device=input_ids.device,
+                          dtype=self.embeddings[0][1].weight.dtype)
+        for (lo, hi), band in zip(self.bands, self.embeddings):
+            mine = input_ids.ge(lo) & input_ids.lt(hi)
+            if bool(mine.any()):
+                out[mine] = band(input_ids[mine] - lo)
+        return out
+
+
+class TsAdaptiveSoftmax(nn.Module):
+    """Adaptive softmax (Grave et al. 2017) as fairseq's ``AdaptiveSoftmax.get_log_prob``: with
+    ``h = log_softmax(head x)`` over the ``c_0`` frequent ids then one cluster per tail band,
+    ``log p(w) = h_w`` for ``w < c_0`` and ``log p(w) = h_{c_0 + i} + log_softmax(O_i drop(P_i x))_{w - c_i}``
+    for ``w`` in tail band i. Tied (``tie_adaptive_weights``): the head's word rows and ``O_i``
+    are the adaptive input's ``E_0`` and ``E_{i+1}``; ``tie_adaptive_proj``: ``P_i = W_{i+1}^T``.
+    Parameters keep fairseq's names (``head``, ``head.class_proj`` when tied, ``tail.i.0`` = ``P_i``,
+    ``tail.i.2`` = ``O_i``); the tied ones are read from the adaptive input passed to ``forward``."""
+
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__()
+        d, cutoffs = config.hidden_size, config.adaptive_softmax_cutoff
+        self.cutoffs = cutoffs
+        self.dropout = config.adaptive_softmax_dropout
+        self.tie_weights, self.tie_proj = config.tie_adaptive_weights, config.tie_adaptive_proj
+        clusters = len(cutoffs) - 1
+        if self.tie_weights:
+            self.head = nn.Module()
+            self.head.class_proj = nn.Linear(d, clusters, bias=False)
+        else:
+            self.head = nn.Linear(d, cutoffs[0] + clusters, bias=False)
+        self.tail = nn.ModuleList()
+        for i, (lo, hi) in enumerate(bands(cutoffs)[1:]):
+            dim = int(d // config.adaptive_softmax_factor ** (i + 1))
+            band = nn.ModuleDict()
+            if not self.tie_proj:
+                band["0"] = nn.Linear(d, dim, bias=False)
+            if not self.tie_weights:
+                band["2"] = nn.Linear(dim, hi - lo, bias=False)
+            self.tail.append(band)
+
+    def forward(self, x: torch.Tensor, adaptive_input: Optional[TsAdaptiveInput]) -> torch.Tensor:
+        """Log-probabilities over the whole vocabulary; ``adaptive_input`` holds the tied weights."""
+        if self.tie_weights:
+            head = torch.cat([F.linear(x, adaptive_input.embeddings[0][0].weight), self.head.class_proj(x)], dim=-1)
+        else:
+            head = self.head(x)
+        head = torch.log_softmax(head, dim=-1)
+        first = self.cutoffs[0]
+        out = [head[..., :first]]
+        for i, band in enumerate(self.tail):
+            tied = adaptive_input.embeddings[i + 1] if self.tie_weights else None
+            h = F.linear(x, tied[1].weight.t()) if self.tie_proj else band["0"](x)
+            h = F.dropout(h, self.dropout, self.training)
+            scores = F.linear(h, tied[0].weight) if self.tie_weights else band["2"](h)
+            out.append(torch.log_softmax(scores, dim=-1) + head[..., first + i, None])
+        return torch.cat(out, dim=-1)
+
+
 class TsLMPreTrainedModel(PreTrainedModel):
     config_class = TsLMConfig
     base_model_prefix = "model"
@@ -291,7 +371,8 @@ class TsLMModel(TsLMPreTrainedModel):
     def __init__(self, config: TsLMConfig) -> None:
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = (TsAdaptiveInput(config) if config.adaptive_input_cutoff
+                             else nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id))
         self.embed_positions = (
             nn.Embedding(config.max_position_embeddings + config.pad_token_id + 1, config.hidden_size,
                          config.pad_token_id)
@@ -378,7 +459,8 @@ class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
     def __init__(self, config: TsLMConfig) -> None:
         super().__init__(config)
         self.model = TsLMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (TsAdaptiveSoftmax(config) if config.adaptive_softmax_cutoff
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -404,11 +486,16 @@ class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
         past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits of the next token at every position (the last ``logits_to_keep`` if > 0);
-        with ``labels``, the mean cross-entropy of predicting ``labels[:, 1:]`` (-100 ignored).
+        """Logits of the next token at every position (the last ``logits_to_keep`` if > 0; under an
+        adaptive softmax, log-probabilities); with ``labels``, the mean cross-entropy of predicting
+        ``labels[:, 1:]`` (-100 ignored).
         The cache goes in as ``cache`` or ``past_key_values`` and comes out under ``CACHE_FIELD``."""
         hidden, cache = self.model(input_ids, attention_mask, cache, use_cache, past_key_values)
-        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden)
+        hidden = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        if isinstance(self.lm_head, TsAdaptiveSoftmax):
+            logits = self.lm_head(hidden, self.model.embed_tokens)
+        else:
+            logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
