@@ -71,7 +71,9 @@ if ! cmp -s "$FLOOR_REQS" "$FLOOR_DIR/requirements.txt"; then
   fi
 fi
 STAMP="$VENV/.torchscale_fairseq_installed"
-HASH="$( (cat "$ROOT/setup.py" "$ROOT/scripts/install.sh"; echo "$TORCH_SPEC ${NUMPY_SPEC:-}") | sha256sum | cut -c1-16)"
+# The checkout is part of the stamp: the editable install points at one checkout, and a venv reused
+# from another (VENV=...) would import that one's code ("not globally unique" from --user-dir).
+HASH="$( (cat "$ROOT/setup.py" "$ROOT/scripts/install.sh"; echo "$TORCH_SPEC ${NUMPY_SPEC:-} $ROOT") | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ]; then
   echo "[install] $VENV is up to date"
   exit 0

@@ -18,3 +18,22 @@ def rendezvous_url(directory: Path | str) -> str:
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     return (directory / f"rendezvous-{uuid.uuid4().hex}").as_uri()
+
+
+def leave_process_group() -> None:
+    """Where the ranks part: all arrive, the plugin's cached groups are dropped, then the process
+    group is destroyed while the interpreter is fully alive. A gloo group that something still
+    references is otherwise destroyed during interpreter finalisation, which can abort the rank with
+    SIGABRT ("terminate called without an active exception"; upstream: pytorch/pytorch#179291)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from torchscale_fairseq.model_parallel.process_groups import destroy_model_parallel
+    from torchscale_fairseq.modules.moe.groups import destroy_expert_parallel
+
+    dist.barrier()
+    destroy_expert_parallel()
+    destroy_model_parallel()
+    gc.collect()
+    dist.destroy_process_group()

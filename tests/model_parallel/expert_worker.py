@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.rendezvous import leave_process_group
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, is_expert, sharded_dim
@@ -191,8 +192,7 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"ranks": everyone, "world": world, "tp": TP, "experts": EXPERTS, "dim": D, "ffn": FFN}, f,
                       indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

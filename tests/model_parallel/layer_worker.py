@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.model_parallel.collectives import record_collectives
+from tests.rendezvous import leave_process_group
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.layer import TransformerLayer
 from torchscale_fairseq.model_parallel import process_groups as groups
@@ -435,8 +436,7 @@ def main() -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

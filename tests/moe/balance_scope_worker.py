@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.rendezvous import leave_process_group
+
 EXPERTS, DIM = 4, 8
 TOKENS = (6, 11)
 
@@ -57,8 +59,7 @@ def worker(rank: int, init_method: str) -> None:
             assert abs(whole - sum(hand_balance(p, f) for p, f in zip(probs, firsts)) / 2) > 1e-3, \
                 "the test data must tell the two scopes apart"
         assert abs(float(aux.balance_loss) - expected) < 1e-5, (scope, rank, float(aux.balance_loss), expected)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from fairseq.criterions import CRITERION_REGISTRY
 
 from tests import model_utils
 from tests.model_parallel.collectives import record_collectives
+from tests.rendezvous import leave_process_group
 from torchscale_fairseq.criterions.moe_terms import OutputRecorder
 from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
@@ -133,8 +134,7 @@ def main() -> None:
             }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

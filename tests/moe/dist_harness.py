@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tests.rendezvous import rendezvous_url
+from tests.rendezvous import leave_process_group, rendezvous_url
 
 USER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "torchscale_fairseq")
@@ -107,9 +107,8 @@ def worker(rank: int, world: int, init_method: str, out: str, data: str, extra: 
         state[name] = t
     if rank == 0:
         torch.save({"losses": losses, "norms": norms, "logged": logged, "state": state}, out)
-    if world > 1:  # leave together: a rank exiting while gloo threads still run aborts
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if world > 1:
+        leave_process_group()
 
 
 def main(argv: list[str]) -> None:

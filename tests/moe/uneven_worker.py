@@ -1,13 +1,18 @@
 """Two gloo ranks run MoE layers on different token counts (one rank all padding in the
-second step); the run must finish. Usage: ``python -m tests.moe.uneven_worker INIT_METHOD``."""
+second step); the run must finish, and once the ranks leave, no reference (the expert-parallel
+cache included) keeps the destroyed process group alive until interpreter shutdown.
+Usage: ``python -m tests.moe.uneven_worker INIT_METHOD``."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.rendezvous import leave_process_group
 
 
 def worker(rank: int, init_method: str) -> None:
@@ -27,8 +32,10 @@ def worker(rank: int, init_method: str) -> None:
         y, aux = layer(x, mask)
         (y.sum() + aux.balance_loss).backward()
         assert torch.equal(y[mask], torch.zeros_like(y[mask]))
-    dist.barrier()
-    dist.destroy_process_group()
+    world = weakref.ref(dist.group.WORLD)
+    del layer, x, y, aux, mask
+    leave_process_group()
+    assert world() is None, "a reference keeps the destroyed process group alive until interpreter shutdown"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.rendezvous import leave_process_group
+
 WORLD, EPOCH_LEN, FULL, STOP = 2, 3, 8, 5
 
 
@@ -61,8 +63,7 @@ def worker(rank: int, data: str, out: str, init_method: str) -> None:
     itr, tail = read(task, FULL - STOP, torch.load(f"{out}.state", weights_only=True))
     itr.close()
     torch.save({"full": full, "resumed": head + tail, "gathers": n_gathers}, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ def initialize_model_parallel(tp_size: int) -> None:
     _TP_SIZE = tp_size
 
 
+def destroy_model_parallel() -> None:
+    """Forget the tensor- and data-parallel groups (Megatron-LM's ``destroy_model_parallel``), so
+    that no module global keeps a process group alive past ``dist.destroy_process_group``."""
+    global _TP_GROUP, _DP_GROUP, _TP_RANKS, _DP_RANKS, _TP_SIZE
+    _TP_GROUP, _DP_GROUP, _TP_RANKS, _DP_RANKS, _TP_SIZE = None, None, [0], [0], 1
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group`` (1 for ``None``)."""
     return 1 if group is None else dist.get_world_size(group)

@@ -88,3 +88,9 @@ def get_expert_parallel(num_experts: int) -> ExpertParallel:
     _CACHE[num_experts] = result
     return result
 
+
+
+def destroy_expert_parallel() -> None:
+    """Forget the cached layouts and their groups (as
+    :func:`~torchscale_fairseq.model_parallel.process_groups.destroy_model_parallel`)."""
+    _CACHE.clear()
