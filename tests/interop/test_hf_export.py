@@ -425,3 +425,25 @@ def test_mlm_bad_inputs_one_line(tmp_path):
     tokens = tokens_of(d, 2, 6, seed=5)
     with pytest.raises(ValueError, match=r"^attention_mask has shape \(2, 5\), input_ids \(2, 6\)$"):
         loaded(tokens, attention_mask=torch.ones(2, 5, dtype=torch.long))
+
+
+def test_model_card_counts(tmp_path):
+    """Every folder gets ``README.md`` whose dense and expert parameter counts are those of the loaded
+    model (``AutoModelForCausalLM`` / ``AutoModelForMaskedLM``, tied weights once), naming the architecture,
+    the backbone and the recorded options."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    d = dictionary()
+    builds = {"lm": (build_lm(d, backbone="deepnorm", moe_expert_count=4, moe_freq=1), AutoModelForCausalLM),
+              "mlm": (build_mlm(d, backbone="magneto", moe_expert_count=2, rel_pos_buckets=8), AutoModelForMaskedLM)}
+    for kind, ((model, a), auto) in builds.items():
+        folder = tmp_path / f"hf-{kind}"
+        assert "README.md" in export_hf(str(save_checkpoint(model, a, tmp_path / f"{kind}.pt")), str(folder))
+        card = (folder / "README.md").read_text()
+        loaded = auto.from_pretrained(str(folder), trust_remote_code=True)
+        expert = sum(p.numel() for name, p in loaded.named_parameters() if ".experts." in name)
+        total = sum(p.numel() for p in loaded.parameters())
+        counts = re.search(r"\*\*Parameters\.\*\* ([\d,]+) in all: ([\d,]+) dense, ([\d,]+) in experts", card)
+        assert [int(c.replace(",", "")) for c in counts.groups()] == [total, total - expert, expert]
+        assert expert > 0 and f"`ts_{kind}_tiny`" in card and f"backbone `{a.backbone}`" in card
+        assert "moe_expert_count = " in card

@@ -21,7 +21,8 @@ Two formats:
 Token ids are always the fairseq dictionary's ids. With the GPT-2 BPE dictionary of
 ``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4), the folder gets a tokenizer
 (:mod:`.hf_tokenizer`) that gives those ids and starts each text with ``</s>``, the token a
-fairseq LM is fed first (``ts_lm`` only).
+fairseq LM is fed first (``ts_lm`` only). Every folder gets a model card, ``README.md``
+(:mod:`.hf_card`); the output folder is new, so no file of the user's is ever overwritten.
 """
 
 from __future__ import annotations
@@ -64,9 +65,8 @@ FORMATS = ("ts", "gpt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
-    """The model's kind (``lm`` / ``mlm``) and fairseq args (``cfg.model`` or legacy ``args``) with its
-    architecture's defaults."""
+def recorded_model_options(state: dict[str, Any]) -> dict[str, Any]:
+    """The model's fairseq options as the checkpoint records them (``cfg.model`` or legacy ``args``)."""
     cfg = state.get("cfg") or {}
     model = cfg.get("model") if hasattr(cfg, "get") else None
     if model is None:
@@ -74,7 +74,20 @@ def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
     if model is None:
         raise TsConfigError("the checkpoint records no model configuration (cfg.model / args): "
                             "it was not saved by fairseq-train")
-    fields = dict(vars(model) if isinstance(model, argparse.Namespace) else model)
+    return dict(vars(model) if isinstance(model, argparse.Namespace) else model)
+
+
+def recorded_task(state: dict[str, Any]) -> str | None:
+    """The name of the task the checkpoint was trained with (``cfg.task._name`` or legacy ``args.task``)."""
+    task = (state.get("cfg") or {}).get("task") or {}
+    name = task.get("_name") if hasattr(task, "get") else getattr(task, "_name", None)
+    return name or getattr(state.get("args"), "task", None)
+
+
+def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
+    """The model's kind (``lm`` / ``mlm``) and fairseq args (:func:`recorded_model_options`) with its
+    architecture's defaults."""
+    fields = recorded_model_options(state)
     arch = fields.get("arch") or fields.get("_name")
     kind = KINDS.get(ARCH_MODEL_REGISTRY.get(arch))
     if kind is None:
@@ -312,6 +325,7 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
 def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | None = None,
               max_shard_size: str = "5GB", dtype: str | None = None) -> list[str]:
     """Write the export of ``checkpoint`` to the new folder ``out_dir``; returns the files written."""
+    from torchscale_fairseq.interop.hf_card import model_card
     from torchscale_fairseq.interop.hf_tokenizer import is_gpt2_dictionary, save_gpt2_tokenizer
 
     if fmt not in FORMATS:
@@ -368,8 +382,13 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
             for name in MODELING_FILES[kind]:
                 shutil.copyfile(MODELING_DIR / name, staging / name)
             written.extend(MODELING_FILES[kind])
-        if kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary):
+        tokenizer = kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary)
+        if tokenizer:
             written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))
+        card = model_card(kind, fmt, cfg, tensors, recorded_model_options(state), recorded_task(state), dictionary,
+                          vocab, tokenizer)
+        (staging / "README.md").write_text(card)
+        written.append("README.md")
         if out.exists():
             raise TsConfigError(f"{out_dir} appeared while exporting: choose a new output folder")
         os.rename(staging, out)
