@@ -52,8 +52,9 @@ MODELING_DIR = Path(__file__).parent / "hf_modeling"
 KINDS = {TsLanguageModel: "lm", TsMaskedLMModel: "mlm"}
 LM_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
 MODELING_FILES = {"lm": LM_FILES, "mlm": LM_FILES + ("configuration_ts_mlm.py", "modeling_ts_mlm.py")}
-# per kind: the fairseq stack (prefix, StackConfig sides), the class config.json names, its auto_map
+# per kind: the fairseq stack's parameter prefix and StackConfig sides
 STACKS = {"lm": ("decoder.", "decoder", "decoder_only"), "mlm": ("encoder.encoder.", "encoder", "encoder_only")}
+# per kind: the class config.json names (``architectures``) and its ``auto_map``
 AUTO_MAPS = {
     "lm": ("TsLMForCausalLM", {"AutoConfig": "configuration_ts_lm.TsLMConfig",
                                "AutoModelForCausalLM": "modeling_ts_lm.TsLMForCausalLM"}),
@@ -177,7 +178,7 @@ def adaptive_options(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             "tie_adaptive_weights": bool(args.tie_adaptive_weights), "tie_adaptive_proj": bool(args.tie_adaptive_proj)}
 
 
-def vocab_size(weights: dict[str, torch.Tensor], kind: str = "lm") -> int:
+def vocab_size(weights: dict[str, torch.Tensor], kind: str) -> int:
     """Rows of the input embedding (summed over the bands of an adaptive input)."""
     table = f"{STACKS[kind][0]}embed.embed_tokens.weight"
     if table in weights:
