@@ -1,5 +1,6 @@
 """The ``transformers`` half of the export checks: export a checkpoint, load the folder, compute
-logits, greedy and beam continuations and token ids.
+logits, greedy and beam continuations and token ids (a ``ts_lm``), masked LM logits and encoder
+hidden states (a ``ts_mlm``).
 
 ``tests/interop/test_hf_export.py`` calls these functions in-process (the installed transformers)
 and through :class:`FloorWorker`, a ``python -m tests.interop.hf_side`` process whose
@@ -69,6 +70,19 @@ def forward(folder: str, tokens: torch.Tensor, attention_mask: torch.Tensor | No
     return {"class": type(model).__name__, "logits": out.logits, "loss": out.loss}
 
 
+def masked_lm(folder: str, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """An exported ``ts_mlm``: ``AutoModelForMaskedLM``'s logits (with ``attention_mask``) and
+    ``AutoModel``'s hidden states (padding from the pad tokens), with the classes loaded."""
+    from transformers import AutoModel, AutoModelForMaskedLM
+
+    mlm = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).eval()
+    encoder = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = mlm(tokens, attention_mask=attention_mask).logits
+        hidden = encoder(tokens).last_hidden_state
+    return {"classes": [type(mlm).__name__, type(encoder).__name__], "logits": logits, "hidden": hidden}
+
+
 def greedy(folder: str, prompt: torch.Tensor, max_new_tokens: int, pad: int, eos: int) -> torch.Tensor:
     """``generate()``'s greedy continuation of ``prompt`` (KV cache on, ``pad`` never chosen)."""
     model = load(folder)
@@ -123,7 +137,7 @@ def tokenize(folder: str, text: str) -> dict[str, Any]:
 
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (version, export, forward, greedy, beam, tokenize)
+    f.__name__: f for f in (version, export, forward, masked_lm, greedy, beam, tokenize)
 }
 
 

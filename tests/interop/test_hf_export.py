@@ -1,7 +1,9 @@
 """``ts-export-hf``: the exported folder, loaded by ``transformers`` offline, computes what the
 fairseq model computes (next-token logits; greedy and beam-5 decoding with the KV cache against
 fairseq's ``SequenceGenerator``), for every backbone, dense and X-MoE, and with fairseq's adaptive
-input / adaptive softmax (log-probabilities; greedy decoding); bad inputs get one line.
+input / adaptive softmax (log-probabilities; greedy decoding); an exported ``ts_mlm`` computes the
+fairseq masked LM's logits (``AutoModelForMaskedLM``) and encoder output (``AutoModel``), for every
+backbone, dense and X-MoE; bad inputs get one line.
 
 The checks that export and load a folder run twice (parameter ``hf``): with the installed (newest)
 transformers in this process, and with the lowest supported one (the floor,
@@ -28,6 +30,7 @@ from tests.model_utils import args as model_args
 from torchscale_fairseq.errors import TsConfigError  # noqa: E402
 from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
 from torchscale_fairseq.models.lm import TsLanguageModel  # noqa: E402
+from torchscale_fairseq.models.mlm import TsMaskedLMModel, ts_mlm_tiny  # noqa: E402
 
 # every backbone, dense and X-MoE; the options spread over them
 CASES = {
@@ -56,10 +59,36 @@ ADAPTIVE_CASES = {
 }
 
 
+# the masked LM (ts_mlm_tiny's defaults: learned positions unless --no-token-positional-embeddings)
+MLM_CASES = {
+    "magneto-dense": dict(backbone="magneto", activation_fn="swiglu", xpos=True, encoder_learned_pos=False),
+    "magneto-moe": dict(backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8),
+    "deepnorm-dense": dict(backbone="deepnorm", rel_pos_buckets=8, encoder_layers=3),
+    "deepnorm-moe": dict(backbone="deepnorm", moe_expert_count=4, moe_top_k=1, moe_router="linear",
+                         moe_eval_capacity_factor=1.0, activation_fn="relu"),
+    "preln-dense": dict(backbone="preln", no_scale_embedding=True, layernorm_embedding=True),
+    "preln-moe": dict(backbone="preln", moe_expert_count=2, xpos=True, no_token_positional_embeddings=True),
+    "postln-dense": dict(backbone="postln", encoder_learned_pos=False, rel_pos_buckets=8),
+    "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, activation_fn="swiglu",
+                       moe_eval_capacity_factor=0.5),
+}
+
+
 def build_lm(d: Dictionary, **overrides) -> tuple[TsLanguageModel, object]:
+    return perturbed(TsLanguageModel, model_args(**overrides), d)
+
+
+def build_mlm(d: Dictionary, **overrides) -> tuple[TsMaskedLMModel, object]:
+    """A ``ts_mlm_tiny`` (its architecture's defaults filled in, as fairseq-train fills them)."""
     a = model_args(**overrides)
+    ts_mlm_tiny(a)
+    return perturbed(TsMaskedLMModel, a, d)
+
+
+def perturbed(cls, a, d: Dictionary):
+    """``cls`` built from ``a`` (seed 0), in eval mode, and ``a``."""
     torch.manual_seed(0)
-    model = TsLanguageModel.build_model(a, FakeTask(d))
+    model = cls.build_model(a, FakeTask(d))
     with torch.no_grad():  # non-trivial LayerNorm affines, so a swapped weight/bias shows
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("_layernorm.weight"):
@@ -67,11 +96,12 @@ def build_lm(d: Dictionary, **overrides) -> tuple[TsLanguageModel, object]:
     return model.eval(), a
 
 
-def save_checkpoint(model: TsLanguageModel, a, path: Path, data: Path | None = None) -> Path:
+def save_checkpoint(model: TsLanguageModel | TsMaskedLMModel, a, path: Path, data: Path | None = None) -> Path:
     """A checkpoint as fairseq-train writes it (``cfg.model`` with the architecture's name)."""
-    cfg = {"model": {**vars(a), "_name": "ts_lm_tiny"}, "common": {"model_parallel_size": 1},
+    arch, task = ("ts_mlm_tiny", "masked_lm") if isinstance(model, TsMaskedLMModel) else ("ts_lm_tiny", "language_modeling")
+    cfg = {"model": {**vars(a), "_name": arch}, "common": {"model_parallel_size": 1},
            "checkpoint": {"checkpoint_suffix": ""},
-           "task": {"_name": "language_modeling", "data": str(data) if data else None}}
+           "task": {"_name": task, "data": str(data) if data else None}}
     torch.save({"cfg": cfg, "model": model.state_dict(), "extra_state": {}}, path)
     return path
 
@@ -279,7 +309,7 @@ def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     state["cfg"]["model"]["_name"] = "transformer_lm"
     torch.save(state, tmp_path / "other.pt")
-    assert "is not a ts_lm" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
+    assert "is neither a ts_lm nor a ts_mlm" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
     # adaptive options that no ts_lm can have been trained with
     state = torch.load(ckpt, weights_only=False)
     state["cfg"]["model"].update(adaptive_softmax_cutoff="20,40", share_decoder_input_output_embed=False,
@@ -302,19 +332,13 @@ def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_tensor_parallel_parts_and_expert_shards(tmp_path):
-    """A checkpoint saved as tensor-parallel parts (``-model_part-K``, split as ``ts-reshard``
-    splits them, vocabulary padded) or as expert shards (``-shardR``, each rank its experts)
-    exports to the same folder as the single file."""
-    from safetensors.torch import load_file
-
+def write_parts_and_shards(model, a, tmp_path: Path) -> None:
+    """``single.pt``, its 2 tensor-parallel parts ``tp-model_part-K.pt`` (split as ``ts-reshard`` splits
+    them, vocabulary padded) and its 2 expert shards ``ep-shardR.pt`` (each rank 2 of the 4 experts)."""
     from torchscale_fairseq.checkpoints.convert import reshard_states
     from torchscale_fairseq.checkpoints.layout import RECORD_KEY as TP_STATE_KEY
     from torchscale_fairseq.model_parallel.partition import layout
 
-    d = dictionary()
-    model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8,
-                        share_decoder_input_output_embed=False)
     single = torch.load(save_checkpoint(model, a, tmp_path / "single.pt"), weights_only=False)
     single["extra_state"] = {TP_STATE_KEY: {"size": 1, "layout": layout(model), "params": None, "rng": {}}}
     for rank, part in enumerate(reshard_states([single], 2)):
@@ -325,8 +349,12 @@ def test_tensor_parallel_parts_and_expert_shards(tmp_path):
         shard["cfg"] = {**single["cfg"], "distributed_training": {"distributed_rank": rank,
                                                                   "distributed_world_size": 2}}
         torch.save(shard, tmp_path / f"ep-shard{rank}.pt")
-    assert torch.load(tmp_path / "tp-model_part-0.pt", weights_only=False)["model"][
-        "decoder.output_projection.weight"].size(0) == 128  # a slice of the padded vocabulary
+
+
+def assert_parts_export_as_single(tmp_path: Path) -> None:
+    """The parts and the shards of :func:`write_parts_and_shards` export to the single file's folder."""
+    from safetensors.torch import load_file
+
     for name in ("single", "tp", "ep"):
         export_hf(str(tmp_path / f"{name}.pt"), str(tmp_path / f"hf-{name}"))
     expected = load_file(tmp_path / "hf-single" / "model.safetensors")
@@ -334,3 +362,88 @@ def test_tensor_parallel_parts_and_expert_shards(tmp_path):
         got = load_file(tmp_path / f"hf-{name}" / "model.safetensors")
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_tensor_parallel_parts_and_expert_shards(tmp_path):
+    """A checkpoint saved as tensor-parallel parts (``-model_part-K``) or as expert shards
+    (``-shardR``) exports to the same folder as the single file."""
+    d = dictionary()
+    model, a = build_lm(d, backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8,
+                        share_decoder_input_output_embed=False)
+    write_parts_and_shards(model, a, tmp_path)
+    assert torch.load(tmp_path / "tp-model_part-0.pt", weights_only=False)["model"][
+        "decoder.output_projection.weight"].size(0) == 128  # a slice of the padded vocabulary
+    assert_parts_export_as_single(tmp_path)
+
+
+@pytest.mark.parametrize("case", sorted(MLM_CASES))
+def test_mlm_export_matches_fairseq(case, hf, tmp_path):
+    """``AutoModelForMaskedLM``'s logits are the fairseq ``ts_mlm``'s, ``AutoModel``'s hidden states its
+    encoder output, on a batch with a right-padded row (padding from ``attention_mask`` / the pad tokens)."""
+    d = dictionary()
+    model, a = build_mlm(d, **MLM_CASES[case])
+    folder = str(tmp_path / "hf")
+    files = hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), out=folder)
+    assert {"configuration_ts_mlm.py", "modeling_ts_mlm.py", "modeling_ts_lm.py"} <= set(files)
+    tokens = tokens_of(d, 3, 11, seed=1)
+    tokens[:, 0] = d.bos()
+    tokens[1, 7:] = d.pad()
+    with torch.no_grad():
+        ref = model(tokens)[0]
+        hidden = model(tokens, features_only=True)[0]
+    got = hf.masked_lm(folder=folder, tokens=tokens, attention_mask=tokens.ne(d.pad()).long())
+    assert got["classes"] == ["TsMLMForMaskedLM", "TsMLMModel"]
+    assert got["logits"].shape == ref.shape == (3, 11, len(d)) and got["hidden"].shape == hidden.shape
+    assert (got["logits"] - ref).abs().max().item() < 1e-4
+    assert (got["hidden"] - hidden).abs().max().item() < 1e-4
+
+
+def test_mlm_tensor_parallel_parts_and_expert_shards(tmp_path):
+    """A ``ts_mlm`` saved as tensor-parallel parts or expert shards exports as the single file."""
+    model, a = build_mlm(dictionary(), moe_expert_count=4, moe_freq=1, rel_pos_buckets=8)
+    write_parts_and_shards(model, a, tmp_path)
+    assert_parts_export_as_single(tmp_path)
+
+
+def test_mlm_bad_inputs_one_line(tmp_path):
+    """``--format gpt2`` and an expert-choice router are refused for a ``ts_mlm`` in one line, nothing
+    written; the exported model refuses an ``attention_mask`` of another shape in one line."""
+    d = dictionary()
+    model, a = build_mlm(d, backbone="preln")
+    ckpt = save_checkpoint(model, a, tmp_path / "c.pt")
+    with pytest.raises(TsConfigError, match="^--format gpt2 exports ts_lm language models only: export a ts_mlm "
+                                            "with --format ts$"):
+        export_hf(str(ckpt), str(tmp_path / "o1"), fmt="gpt2")
+    routed, b = build_mlm(d, moe_expert_count=2, moe_router="expert_choice")
+    with pytest.raises(TsConfigError, match="^--moe-router expert_choice routes over the whole batch"):
+        export_hf(str(save_checkpoint(routed, b, tmp_path / "ec.pt")), str(tmp_path / "o2"))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    export_hf(str(ckpt), str(tmp_path / "hf"))
+    from transformers import AutoModelForMaskedLM
+
+    loaded = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    tokens = tokens_of(d, 2, 6, seed=5)
+    with pytest.raises(ValueError, match=r"^attention_mask has shape \(2, 5\), input_ids \(2, 6\)$"):
+        loaded(tokens, attention_mask=torch.ones(2, 5, dtype=torch.long))
+
+
+def test_model_card_counts(tmp_path):
+    """Every folder gets ``README.md`` whose dense and expert parameter counts are those of the loaded
+    model (``AutoModelForCausalLM`` / ``AutoModelForMaskedLM``, tied weights once), naming the architecture,
+    the backbone and the recorded options."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    d = dictionary()
+    builds = {"lm": (build_lm(d, backbone="deepnorm", moe_expert_count=4, moe_freq=1), AutoModelForCausalLM),
+              "mlm": (build_mlm(d, backbone="magneto", moe_expert_count=2, rel_pos_buckets=8), AutoModelForMaskedLM)}
+    for kind, ((model, a), auto) in builds.items():
+        folder = tmp_path / f"hf-{kind}"
+        assert "README.md" in export_hf(str(save_checkpoint(model, a, tmp_path / f"{kind}.pt")), str(folder))
+        card = (folder / "README.md").read_text()
+        loaded = auto.from_pretrained(str(folder), trust_remote_code=True)
+        expert = sum(p.numel() for name, p in loaded.named_parameters() if ".experts." in name)
+        total = sum(p.numel() for p in loaded.parameters())
+        counts = re.search(r"\*\*Parameters\.\*\* ([\d,]+) in all: ([\d,]+) dense, ([\d,]+) in experts", card)
+        assert [int(c.replace(",", "")) for c in counts.groups()] == [total, total - expert, expert]
+        assert expert > 0 and f"`ts_{kind}_tiny`" in card and f"backbone `{a.backbone}`" in card
+        assert "moe_expert_count = " in card

@@ -1,4 +1,4 @@
-"""``ts-export-hf CHECKPOINT OUT_DIR``: a ``ts_lm`` checkpoint (any layout: one file,
+"""``ts-export-hf CHECKPOINT OUT_DIR``: a ``ts_lm`` or ``ts_mlm`` checkpoint (any layout: one file,
 ``-model_part-K`` parts, ``-shardR`` expert shards) as a Hugging Face ``transformers`` folder
 (see :mod:`torchscale_fairseq.interop.hf_export`). Needs ``pip install -e .[export]``."""
 
@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ts-export-hf", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint name, e.g. checkpoints/checkpoint_best.pt")
     parser.add_argument("out_dir", help="new folder to write (must not exist)")
-    parser.add_argument("--format", default="ts", help="ts (remote code, every ts_lm) or gpt2 (native GPT2LMHeadModel)")
+    parser.add_argument("--format", default="ts",
+                        help="ts (remote code, every ts_lm and ts_mlm) or gpt2 (native GPT2LMHeadModel)")
     parser.add_argument("--dict", default=None, help="the model's dict.txt (default: DATA/dict.txt of the checkpoint)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as saved)")

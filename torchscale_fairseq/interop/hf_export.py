@@ -1,13 +1,17 @@
-"""Export a ``ts_lm`` checkpoint to a Hugging Face ``transformers`` folder.
+"""Export a ``ts_lm`` or ``ts_mlm`` checkpoint to a Hugging Face ``transformers`` folder.
 
 Two formats:
-- ``ts`` (every ``ts_lm``): ``config.json`` (``auto_map`` to the modeling code in the folder),
-  ``model.safetensors`` (or shards plus ``model.safetensors.index.json`` above
+- ``ts`` (every ``ts_lm`` and ``ts_mlm``): ``config.json`` (``auto_map`` to the modeling code in the
+  folder), ``model.safetensors`` (or shards plus ``model.safetensors.index.json`` above
   ``max_shard_size``), ``configuration_ts_lm.py`` / ``modeling_ts_lm.py`` (self-contained,
-  :mod:`torchscale_fairseq.interop.hf_modeling`), loaded with ``trust_remote_code=True``.
-  Parameter names are the fairseq ones with ``decoder.`` -> ``model.`` and
-  ``decoder.output_projection`` (or ``decoder.adaptive_softmax``) -> ``lm_head``; an adaptive
-  softmax's copies of tied adaptive input weights are written once, as the input's.
+  :mod:`torchscale_fairseq.interop.hf_modeling`; a ``ts_mlm`` adds ``configuration_ts_mlm.py`` /
+  ``modeling_ts_mlm.py``, which import them), loaded with ``trust_remote_code=True``.
+  A ``ts_lm`` is an ``AutoModelForCausalLM``: parameter names are the fairseq ones with
+  ``decoder.`` -> ``model.`` and ``decoder.output_projection`` (or ``decoder.adaptive_softmax``)
+  -> ``lm_head``; an adaptive softmax's copies of tied adaptive input weights are written once, as
+  the input's. A ``ts_mlm`` is an ``AutoModelForMaskedLM`` (its encoder an ``AutoModel``):
+  ``encoder.encoder.`` -> ``model.``, ``encoder.lm_head_bias`` -> ``lm_head.bias`` (the weight is
+  the tied token embedding), ``encoder.lm_head_*`` -> ``lm_head_*``.
 - ``gpt2``: a native ``GPT2LMHeadModel`` when the math is GPT-2's: ``--backbone preln``, dense,
   learned positions, gelu or relu, no embedding LayerNorm, no relative positions or xPos, and
   the embedding scale 1 (``--no-scale-embedding``) unless the output embedding is untied
@@ -17,7 +21,8 @@ Two formats:
 Token ids are always the fairseq dictionary's ids. With the GPT-2 BPE dictionary of
 ``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4), the folder gets a tokenizer
 (:mod:`.hf_tokenizer`) that gives those ids and starts each text with ``</s>``, the token a
-fairseq LM is fed first.
+fairseq LM is fed first (``ts_lm`` only). Every folder gets a model card, ``README.md``
+(:mod:`.hf_card`); the output folder is new, so no file of the user's is ever overwritten.
 """
 
 from __future__ import annotations
@@ -41,15 +46,28 @@ from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 from torchscale_fairseq.models.config import validate_common
 from torchscale_fairseq.models.lm import TsLanguageModel, check_adaptive, parse_cutoffs
+from torchscale_fairseq.models.mlm import TsMaskedLMModel
 
 MODELING_DIR = Path(__file__).parent / "hf_modeling"
-MODELING_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
+KINDS = {TsLanguageModel: "lm", TsMaskedLMModel: "mlm"}
+LM_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
+MODELING_FILES = {"lm": LM_FILES, "mlm": LM_FILES + ("configuration_ts_mlm.py", "modeling_ts_mlm.py")}
+# per kind: the fairseq stack's parameter prefix and StackConfig sides
+STACKS = {"lm": ("decoder.", "decoder", "decoder_only"), "mlm": ("encoder.encoder.", "encoder", "encoder_only")}
+# per kind: the class config.json names (``architectures``) and its ``auto_map``
+AUTO_MAPS = {
+    "lm": ("TsLMForCausalLM", {"AutoConfig": "configuration_ts_lm.TsLMConfig",
+                               "AutoModelForCausalLM": "modeling_ts_lm.TsLMForCausalLM"}),
+    "mlm": ("TsMLMForMaskedLM", {"AutoConfig": "configuration_ts_mlm.TsMLMConfig",
+                                 "AutoModel": "modeling_ts_mlm.TsMLMModel",
+                                 "AutoModelForMaskedLM": "modeling_ts_mlm.TsMLMForMaskedLM"}),
+}
 FORMATS = ("ts", "gpt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def model_args(state: dict[str, Any]) -> argparse.Namespace:
-    """The model's fairseq args (``cfg.model`` or legacy ``args``) with its architecture's defaults."""
+def recorded_model_options(state: dict[str, Any]) -> dict[str, Any]:
+    """The model's fairseq options as the checkpoint records them (``cfg.model`` or legacy ``args``)."""
     cfg = state.get("cfg") or {}
     model = cfg.get("model") if hasattr(cfg, "get") else None
     if model is None:
@@ -57,18 +75,33 @@ def model_args(state: dict[str, Any]) -> argparse.Namespace:
     if model is None:
         raise TsConfigError("the checkpoint records no model configuration (cfg.model / args): "
                             "it was not saved by fairseq-train")
-    fields = dict(vars(model) if isinstance(model, argparse.Namespace) else model)
+    return dict(vars(model) if isinstance(model, argparse.Namespace) else model)
+
+
+def recorded_task(state: dict[str, Any]) -> str | None:
+    """The name of the task the checkpoint was trained with (``cfg.task._name`` or legacy ``args.task``)."""
+    task = (state.get("cfg") or {}).get("task") or {}
+    name = task.get("_name") if hasattr(task, "get") else getattr(task, "_name", None)
+    return name or getattr(state.get("args"), "task", None)
+
+
+def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
+    """The model's kind (``lm`` / ``mlm``) and fairseq args (:func:`recorded_model_options`) with its
+    architecture's defaults."""
+    fields = recorded_model_options(state)
     arch = fields.get("arch") or fields.get("_name")
-    if ARCH_MODEL_REGISTRY.get(arch) is not TsLanguageModel:
-        raise TsConfigError(f"architecture {arch!r} is not a ts_lm: ts-export-hf exports ts_lm_* language models "
-                            "(ts_transformer and ts_mlm are not supported yet)")
+    kind = KINDS.get(ARCH_MODEL_REGISTRY.get(arch))
+    if kind is None:
+        raise TsConfigError(f"architecture {arch!r} is neither a ts_lm nor a ts_mlm: ts-export-hf exports ts_lm_* "
+                            "language models and ts_mlm_* masked LMs (ts_transformer is not supported yet)")
     args = argparse.Namespace(**fields)
     ARCH_CONFIG_REGISTRY[arch](args)
-    check_adaptive(args)
-    if getattr(args, "max_target_positions", None) is None:
-        args.max_target_positions = args.tokens_per_sample
+    if kind == "lm":
+        check_adaptive(args)
+        if getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = args.tokens_per_sample
     validate_common(args)
-    return args
+    return kind, args
 
 
 def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dictionary | None:
@@ -85,11 +118,26 @@ def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dicti
     return Dictionary.load(dict_path)
 
 
-def _hf_name(name: str, args: argparse.Namespace) -> str | None:
+def _mlm_name(name: str) -> str | None:
+    """The exported name of ``ts_mlm`` parameter ``name`` (``None``: not exported)."""
+    if not name.startswith("encoder."):
+        return None
+    rest = name[len("encoder."):]
+    if rest == "lm_head_bias":
+        return "lm_head.bias"
+    if rest.startswith("lm_head_"):
+        return rest
+    return "model." + rest[len("encoder."):].removeprefix("embed.")
+
+
+def _hf_name(name: str, args: argparse.Namespace, kind: str) -> str | None:
     """The exported name of fairseq parameter ``name`` (``None``: not exported: buffers, the
     training-only noise projection, and the adaptive softmax's copies of tied adaptive input weights)."""
-    if (name.endswith((".version", "._float_tensor")) or ".noise_proj." in name or not name.startswith("decoder.")
-            or name == "decoder.adaptive_softmax.head.word_proj.weight"
+    if name.endswith((".version", "._float_tensor")) or ".noise_proj." in name:
+        return None
+    if kind == "mlm":
+        return _mlm_name(name)
+    if (not name.startswith("decoder.") or name == "decoder.adaptive_softmax.head.word_proj.weight"
             or (args.tie_adaptive_weights and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.2\.weight", name))
             or (args.tie_adaptive_proj and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.0\.weight", name))):
         return None
@@ -103,11 +151,11 @@ def _hf_name(name: str, args: argparse.Namespace) -> str | None:
     return "model." + rest
 
 
-def ts_tensors(weights: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def ts_tensors(weights: dict[str, torch.Tensor], args: argparse.Namespace, kind: str) -> dict[str, torch.Tensor]:
     """The fairseq parameters under their exported names (format ``ts``)."""
     out = {}
     for name, tensor in weights.items():
-        new = _hf_name(name, args)
+        new = _hf_name(name, args, kind)
         if new is not None:
             out[new] = tensor
     return out
@@ -130,10 +178,11 @@ def adaptive_options(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             "tie_adaptive_weights": bool(args.tie_adaptive_weights), "tie_adaptive_proj": bool(args.tie_adaptive_proj)}
 
 
-def vocab_size(weights: dict[str, torch.Tensor]) -> int:
+def vocab_size(weights: dict[str, torch.Tensor], kind: str) -> int:
     """Rows of the input embedding (summed over the bands of an adaptive input)."""
-    if "decoder.embed.embed_tokens.weight" in weights:
-        return weights["decoder.embed.embed_tokens.weight"].size(0)
+    table = f"{STACKS[kind][0]}embed.embed_tokens.weight"
+    if table in weights:
+        return weights[table].size(0)
     band = re.compile(r"decoder\.embed\.embed_tokens\.embeddings\.\d+\.0\.weight")
     return sum(t.size(0) for name, t in weights.items() if band.fullmatch(name))
 
@@ -180,11 +229,15 @@ def gpt2_tensors(weights: dict[str, torch.Tensor], cfg: StackConfig, pad: int) -
     return out
 
 
-def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int], adaptive: dict[str, Any]):
+def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int], extra: dict[str, Any],
+              kind: str = "lm"):
+    """The ``TsLMConfig`` (``kind`` ``lm``) or ``TsMLMConfig`` (``mlm``) of ``cfg``; ``extra``: the
+    kind's own options (adaptive input / softmax; ``mask_token_id``)."""
     from torchscale_fairseq.interop.hf_modeling.configuration_ts_lm import TsLMConfig
+    from torchscale_fairseq.interop.hf_modeling.configuration_ts_mlm import TsMLMConfig
 
     moe = cfg.moe
-    config = TsLMConfig(
+    config = (TsLMConfig if kind == "lm" else TsMLMConfig)(
         vocab_size=vocab, hidden_size=cfg.embed_dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.attention_heads, backbone=cfg.backbone.name, residual_alpha=cfg.backbone.alpha,
         activation=cfg.activation, positions=cfg.positions, max_position_embeddings=cfg.max_positions,
@@ -197,11 +250,10 @@ def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int]
         moe_router_dim=moe.router_dim if moe else 16,
         moe_eval_capacity_factor=moe.eval_capacity_factor if moe else 0.0,
         moe_normalize_gate_prob_before_dropping=moe.normalize_gate_prob_before_dropping if moe else False,
-        tie_word_embeddings=tied, **adaptive, **specials,
+        tie_word_embeddings=tied, **extra, **specials,
     )
-    config.architectures = ["TsLMForCausalLM"]
-    config.auto_map = {"AutoConfig": "configuration_ts_lm.TsLMConfig",
-                       "AutoModelForCausalLM": "modeling_ts_lm.TsLMForCausalLM"}
+    architecture, config.auto_map = AUTO_MAPS[kind]
+    config.architectures = [architecture]
     return config
 
 
@@ -261,8 +313,8 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
     if cfg.moe is None:
         return
     if cfg.moe.router == "expert_choice":
-        raise TsConfigError("--moe-router expert_choice needs the whole batch and cannot decode token by token: "
-                            "only token-choice routers (xmoe, linear) can be exported")
+        raise TsConfigError("--moe-router expert_choice routes over the whole batch (and cannot decode token by "
+                            "token): only token-choice routers (xmoe, linear) can be exported")
     for name, tensor in weights.items():
         if name.endswith(".experts.fc1_weight") and tensor.size(0) != cfg.moe.expert_count:
             raise TsConfigError(
@@ -274,6 +326,7 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
 def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | None = None,
               max_shard_size: str = "5GB", dtype: str | None = None) -> list[str]:
     """Write the export of ``checkpoint`` to the new folder ``out_dir``; returns the files written."""
+    from torchscale_fairseq.interop.hf_card import model_card
     from torchscale_fairseq.interop.hf_tokenizer import is_gpt2_dictionary, save_gpt2_tokenizer
 
     if fmt not in FORMATS:
@@ -285,11 +338,13 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
         raise TsConfigError(f"{out_dir} already exists: choose a new output folder (nothing was written)")
     max_bytes = parse_size(max_shard_size)
     state = load_single_process_state(checkpoint)
-    args = model_args(state)
-    cfg = StackConfig.from_args(args, "decoder", "decoder_only")
+    kind, args = model_args(state)
+    if fmt == "gpt2" and kind != "lm":
+        raise TsConfigError("--format gpt2 exports ts_lm language models only: export a ts_mlm with --format ts")
+    cfg = StackConfig.from_args(args, *STACKS[kind][1:])
     weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     _check_experts(weights, cfg)
-    vocab = vocab_size(weights)
+    vocab = vocab_size(weights, kind)
     dictionary = checkpoint_dictionary(state, dict_path)
     if dictionary is not None and len(dictionary) != vocab:
         raise TsConfigError(f"the dictionary has {len(dictionary)} entries but the checkpoint's embedding "
@@ -297,17 +352,24 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     pad = dictionary.pad() if dictionary is not None else 1
     eos = dictionary.eos() if dictionary is not None else 2
     specials = {"pad_token_id": pad, "eos_token_id": eos, "bos_token_id": eos}
-    adaptive = adaptive_options(args, vocab)
-    tied = "decoder.output_projection.weight" not in weights and adaptive["adaptive_softmax_cutoff"] is None
-    if fmt == "gpt2":
-        reason = gpt2_refusal(cfg, tied, adaptive["adaptive_softmax_cutoff"] is not None)
-        if reason is not None:
-            raise TsConfigError(f"--format gpt2 cannot express {reason}: export with --format ts")
-        if pad != 1:
-            raise TsConfigError(f"--format gpt2 needs the padding index 1 (the dictionary has {pad}): use --format ts")
-        tensors, config = gpt2_tensors(weights, cfg, pad), gpt2_config(cfg, vocab, tied, specials)
+    if kind == "mlm":  # fairseq's masked_lm task starts each sample with <s> and masks with <mask>
+        mask = dictionary.index("<mask>") if dictionary is not None and "<mask>" in dictionary.indices else None
+        specials["bos_token_id"] = dictionary.bos() if dictionary is not None else 0
+        tensors = ts_tensors(weights, args, kind)
+        config = ts_config(cfg, vocab, True, specials, {"mask_token_id": mask}, kind)
     else:
-        tensors, config = ts_tensors(weights, args), ts_config(cfg, vocab, tied, specials, adaptive)
+        adaptive = adaptive_options(args, vocab)
+        tied = "decoder.output_projection.weight" not in weights and adaptive["adaptive_softmax_cutoff"] is None
+        if fmt == "gpt2":
+            reason = gpt2_refusal(cfg, tied, adaptive["adaptive_softmax_cutoff"] is not None)
+            if reason is not None:
+                raise TsConfigError(f"--format gpt2 cannot express {reason}: export with --format ts")
+            if pad != 1:
+                raise TsConfigError(f"--format gpt2 needs the padding index 1 (the dictionary has {pad}): "
+                                    "use --format ts")
+            tensors, config = gpt2_tensors(weights, cfg, pad), gpt2_config(cfg, vocab, tied, specials)
+        else:
+            tensors, config = ts_tensors(weights, args, kind), ts_config(cfg, vocab, tied, specials, adaptive)
     if dtype is not None:
         tensors = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
     config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
@@ -318,11 +380,16 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
         config.save_pretrained(str(staging))
         written.append("config.json")
         if fmt == "ts":
-            for name in MODELING_FILES:
+            for name in MODELING_FILES[kind]:
                 shutil.copyfile(MODELING_DIR / name, staging / name)
-            written.extend(MODELING_FILES)
-        if dictionary is not None and is_gpt2_dictionary(dictionary):
+            written.extend(MODELING_FILES[kind])
+        tokenizer = kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary)
+        if tokenizer:
             written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))
+        card = model_card(kind, fmt, cfg, tensors, recorded_model_options(state), recorded_task(state), dictionary,
+                          vocab, tokenizer)
+        (staging / "README.md").write_text(card)
+        written.append("README.md")
         if out.exists():
             raise TsConfigError(f"{out_dir} appeared while exporting: choose a new output folder")
         os.rename(staging, out)

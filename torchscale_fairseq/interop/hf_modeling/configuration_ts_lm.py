@@ -33,9 +33,12 @@ class TsLMConfig(PretrainedConfig):
     fairseq's ``get_normalized_probs(log_probs=True)``. ``tie_adaptive_weights``: the head's word
     rows and the tail bands' outputs are the adaptive input's band embeddings;
     ``tie_adaptive_proj``: the tail projections are its band projections, transposed.
+
+    ``causal`` (a class attribute, not saved): queries attend to earlier tokens only.
     """
 
     model_type = "ts_lm"
+    causal = True
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(

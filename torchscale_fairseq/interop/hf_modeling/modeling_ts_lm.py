@@ -76,14 +76,23 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int, pad: int) -> torch.T
     return table.masked_fill(positions.eq(pad).unsqueeze(-1), 0.0)
 
 
-def relative_position_bucket(relative: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """T5's causal bucket of ``key_pos - query_pos``: exact below ``num_buckets / 2``, then log-spaced."""
-    n = (-relative).clamp(min=0)
+def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of ``key_pos - query_pos``: exact below half the buckets, then log-spaced up to
+    ``max_distance``; ``bidirectional`` (encoders) gives keys after the query the upper half of the buckets."""
+    bucket = torch.zeros_like(relative)
+    n = -relative
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (n < 0).long() * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
     max_exact = num_buckets // 2
     large = max_exact + (
         torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
     ).long()
-    return torch.where(n < max_exact, n, large.clamp(max=num_buckets - 1))
+    return bucket + torch.where(n < max_exact, n, large.clamp(max=num_buckets - 1))
 
 
 def xpos_rotate(x: torch.Tensor, offset: int, scale_base: float, downscale: bool) -> torch.Tensor:
@@ -104,11 +113,12 @@ def xpos_rotate(x: torch.Tensor, offset: int, scale_base: float, downscale: bool
 
 
 class TsAttention(nn.Module):
-    """Causal self-attention with a fused ``[q; k; v]`` projection."""
+    """Self-attention with a fused ``[q; k; v]`` projection, causal when ``config.causal``."""
 
     def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.causal = config.causal
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.dropout = config.attention_dropout
@@ -125,7 +135,7 @@ class TsAttention(nn.Module):
             k = xpos_rotate(k, past, self.xpos_scale_base, downscale=True)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        is_causal = mask is None and t > 1 and t == k.size(2)
+        is_causal = self.causal and mask is None and t > 1 and t == k.size(2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              dropout_p=self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(b, t, -1)
@@ -393,17 +403,39 @@ class TsLMModel(TsLMPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embed_tokens = value
 
+    def embed(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], past: int) -> torch.Tensor:
+        """``embed_scale * E[ids] + P[positions]`` (positions after ``past`` cached tokens), optional
+        LayerNorm, dropout."""
+        x = self.embed_tokens(input_ids) * self.config.embed_scale
+        if self.config.positions != "none":
+            b, t = input_ids.shape
+            positions = absolute_positions(attention_mask, b, past, t, self.padding_idx, input_ids.device)
+            if self.embed_positions is not None:
+                x = x + self.embed_positions(positions)
+            else:
+                x = x + sinusoidal_embedding(positions, self.config.hidden_size, self.padding_idx).to(x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return F.dropout(x, self.config.dropout, self.training)
+
+    def relative_bias(self, t: int, s: int, past: int, dtype: torch.dtype,
+                      device: torch.device) -> Optional[torch.Tensor]:
+        """T5's additive bias ``(1, h, t, s)`` of queries ``past .. past + t - 1`` over keys ``0 .. s - 1``
+        (bidirectional buckets unless ``config.causal``); ``None`` without ``rel_pos_buckets``."""
+        if self.rel_pos is None:
+            return None
+        q_pos = torch.arange(past, past + t, device=device)[:, None]
+        k_pos = torch.arange(s, device=device)[None, :]
+        buckets = relative_position_bucket(k_pos - q_pos, not self.config.causal, self.config.rel_pos_buckets,
+                                           self.config.max_rel_pos)
+        return self.rel_pos(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)
+
     def attention_mask_4d(self, attention_mask: Optional[torch.Tensor], t: int, s: int, past: int,
                           dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """Boolean (True = attend) or additive mask ``(B|1, 1|h, t, s)``; ``None`` when SDPA's causal
         path (or, for one query, no mask) suffices.
         A query always sees itself, so a left-padded row is never fully masked (as fairseq)."""
-        bias = None
-        if self.rel_pos is not None:
-            q_pos = torch.arange(past, past + t, device=device)[:, None]
-            k_pos = torch.arange(s, device=device)[None, :]
-            buckets = relative_position_bucket(k_pos - q_pos, self.config.rel_pos_buckets, self.config.max_rel_pos)
-            bias = self.rel_pos(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)
+        bias = self.relative_bias(t, s, past, dtype, device)
         padded = attention_mask is not None and not bool(attention_mask.all())
         if not padded and bias is None and (past == 0 or t == 1):
             return None
@@ -430,20 +462,11 @@ class TsLMModel(TsLMPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        b, t = input_ids.shape
+        t = input_ids.size(1)
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.size(1) != past + t:
             raise ValueError(f"attention_mask covers {attention_mask.size(1)} tokens, expected {past + t}")
-        x = self.embed_tokens(input_ids) * self.config.embed_scale
-        if self.config.positions != "none":
-            positions = absolute_positions(attention_mask, b, past, t, self.padding_idx, input_ids.device)
-            if self.embed_positions is not None:
-                x = x + self.embed_positions(positions)
-            else:
-                x = x + sinusoidal_embedding(positions, self.config.hidden_size, self.padding_idx).to(x.dtype)
-        if self.layernorm_embedding is not None:
-            x = self.layernorm_embedding(x)
-        x = F.dropout(x, self.config.dropout, self.training)
+        x = self.embed(input_ids, attention_mask, past)
         mask = self.attention_mask_4d(attention_mask, t, past + t, past, x.dtype, x.device)
         keep = attention_mask[:, -t:].bool() if attention_mask is not None and past == 0 else None
         for layer in self.layers:
@@ -453,15 +476,11 @@ class TsLMModel(TsLMPreTrainedModel):
         return x, cache if use_cache else None
 
 
-class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+class TsHeadModel(TsLMPreTrainedModel):
+    """A stack ``model`` under an output layer ``lm_head`` whose weight is tied to ``model.embed_tokens``
+    (``tie_word_embeddings``)."""
 
-    def __init__(self, config: TsLMConfig) -> None:
-        super().__init__(config)
-        self.model = TsLMModel(config)
-        self.lm_head = (TsAdaptiveSoftmax(config) if config.adaptive_softmax_cutoff
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        self.post_init()
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -474,6 +493,15 @@ class TsLMForCausalLM(TsLMPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
+
+
+class TsLMForCausalLM(TsHeadModel, GenerationMixin):
+    def __init__(self, config: TsLMConfig) -> None:
+        super().__init__(config)
+        self.model = TsLMModel(config)
+        self.lm_head = (TsAdaptiveSoftmax(config) if config.adaptive_softmax_cutoff
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.post_init()
 
     def forward(
         self,
