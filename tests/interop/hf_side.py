@@ -127,13 +127,13 @@ def beam(folder: str, prefix: torch.Tensor, total: int, beams: int, pad: int, eo
     return {"tokens": hypotheses, "scores": out.sequences_scores}
 
 
-def tokenize(folder: str, text: str) -> dict[str, Any]:
-    """The folder's tokenizer: the ids of ``text`` and their decoding without special tokens."""
+def tokenize(folder: str, texts: list[str]) -> list[dict[str, Any]]:
+    """The folder's tokenizer: per text, its ids and their decoding without special tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-    ids = tokenizer(text).input_ids
-    return {"ids": ids, "decoded": tokenizer.decode(ids, skip_special_tokens=True)}
+    return [{"ids": ids, "decoded": tokenizer.decode(ids, skip_special_tokens=True)}
+            for ids in (tokenizer(text).input_ids for text in texts)]
 
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {

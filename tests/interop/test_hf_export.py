@@ -3,7 +3,8 @@ fairseq model computes (next-token logits; greedy and beam-5 decoding with the K
 fairseq's ``SequenceGenerator``), for every backbone, dense and X-MoE, and with fairseq's adaptive
 input / adaptive softmax (log-probabilities; greedy decoding); an exported ``ts_mlm`` computes the
 fairseq masked LM's logits (``AutoModelForMaskedLM``) and encoder output (``AutoModel``), for every
-backbone, dense and X-MoE; bad inputs get one line.
+backbone, dense and X-MoE; the exported tokenizers (GPT-2 BPE; SentencePiece of ``prepare_lm
+--spm-vocab``, ``prepare_nmt`` and ``train_spm``) give the fairseq ids; bad inputs get one line.
 
 The checks that export and load a folder run twice (parameter ``hf``): with the installed (newest)
 transformers in this process, and with the lowest supported one (the floor,
@@ -12,9 +13,11 @@ The fairseq side, the reference, always runs here."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -96,9 +99,12 @@ def perturbed(cls, a, d: Dictionary):
     return model.eval(), a
 
 
-def save_checkpoint(model: TsLanguageModel | TsMaskedLMModel, a, path: Path, data: Path | None = None) -> Path:
-    """A checkpoint as fairseq-train writes it (``cfg.model`` with the architecture's name)."""
-    arch, task = ("ts_mlm_tiny", "masked_lm") if isinstance(model, TsMaskedLMModel) else ("ts_lm_tiny", "language_modeling")
+def save_checkpoint(model: TsLanguageModel | TsMaskedLMModel, a, path: Path, data: Path | None = None,
+                    task: str | None = None) -> Path:
+    """A checkpoint as fairseq-train writes it (``cfg.model`` with the architecture's name); ``task``
+    defaults to ``masked_lm`` / ``language_modeling``."""
+    arch, default = ("ts_mlm_tiny", "masked_lm") if isinstance(model, TsMaskedLMModel) else ("ts_lm_tiny", "language_modeling")
+    task = task or default
     cfg = {"model": {**vars(a), "_name": arch}, "common": {"model_parallel_size": 1},
            "checkpoint": {"checkpoint_suffix": ""},
            "task": {"_name": task, "data": str(data) if data else None}}
@@ -284,9 +290,161 @@ def test_gpt2_tokenizer_gives_fairseq_ids(hf, tmp_path):
     folder = str(tmp_path / "hf")
     hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt", data=tmp_path)), out=folder)
     text = "Hello world, it's 2026!\n  The café's naïve résumé\t— ok"
-    got = hf.tokenize(folder=folder, text=text)
+    [got] = hf.tokenize(folder=folder, texts=[text])
     assert got["ids"] == [d.eos()] + [i + 4 for i in gpt2_bpe.encode(text)]
     assert got["decoded"] == text
+
+
+# unicode (NFKC-normalised by SentencePiece), extra and other whitespace, characters the model has never
+# seen (its <unk>), the empty text, a leading "▁", and a word spelled without spaces
+SPM_TEXTS = ["hello world, it's 2026!", "the café's naïve résumé, über straße, año.",
+             "  The café's   naïve résumé — ok  ", "ｆｕｌｌｗｉｄｔｈ ﬁ ligature ①", "unknown: 漢字 ☃ and emoji 🙂🙂 end",
+             "tab\there", "", "▁lead", "quickbrownfoxjumps"]
+
+
+@pytest.fixture(scope="module")
+def spm_data(tmp_path_factory) -> dict[str, Any]:
+    """Data directories as data_prep writes them: ``lm``: the ``dict.txt`` and ``spm.model`` (unigram) of
+    ``prepare_lm --spm-vocab``, ``lm-encode`` its encoding into pieces; ``mlm-unigram`` / ``mlm-bpe``:
+    a ``train_spm`` model, no dictionary."""
+    import random
+
+    from data_prep.prepare_lm import sentencepiece_tokenizer
+    from data_prep.train_spm import train_sentencepiece
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog café naïve résumé año über straße world it's 2026".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice(".!?,") for _ in range(300)]
+    root = tmp_path_factory.mktemp("spm-data")
+    dirs = {name: root / name for name in ("lm", "mlm-unigram", "mlm-bpe")}
+    for folder in dirs.values():
+        folder.mkdir()
+    encode = sentencepiece_tokenizer(lines, 80, dirs["lm"] / "spm", dirs["lm"] / "dict.txt")
+    (root / "train.txt").write_text("".join(line + "\n" for line in lines))
+    for model_type in ("unigram", "bpe"):
+        train_sentencepiece(root / "train.txt", dirs[f"mlm-{model_type}"] / "spm", 80, model_type)
+    return {**dirs, "lm-encode": encode}
+
+
+def assert_spm_tokenizer(hf, folder: str, model: Path, expected: list[list[int]]) -> None:
+    """The folder's tokenizer gives ``expected`` for :data:`SPM_TEXTS` and decodes them back wherever
+    SentencePiece itself does."""
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=str(model))
+    got = hf.tokenize(folder=folder, texts=SPM_TEXTS)
+    assert [g["ids"] for g in got] == expected
+    round_trips = [(text, g) for text, g in zip(SPM_TEXTS, got) if processor.decode(processor.encode(text)) == text]
+    assert len(round_trips) >= 4 and all(g["decoded"] == text for text, g in round_trips)
+
+
+@pytest.mark.parametrize("kind", ["lm", "mlm"])
+def test_spm_tokenizer_gives_fairseq_ids_prepare_lm(kind, hf, spm_data, tmp_path):
+    """A ``ts_lm`` (``language_modeling``) or ``ts_mlm`` (``masked_lm``, which adds ``<mask>`` to the
+    dictionary) trained on ``prepare_lm --spm-vocab`` data: ``spm.model`` found next to ``dict.txt``;
+    the ids are the binarized ones (the pieces looked up in ``dict.txt`` as ``fairseq-preprocess``
+    does), ``</s>`` first instead of last (LM) or after ``<s>`` (masked LM)."""
+    data = spm_data["lm"]
+    d = Dictionary.load(str(data / "dict.txt"))
+    if kind == "lm":
+        model, a = build_lm(d, decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
+    else:
+        d.add_symbol("<mask>")
+        model, a = build_mlm(d, encoder_layers=1)
+    folder = str(tmp_path / "hf")
+    assert "tokenizer.json" in hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt", data=data)),
+                                         out=folder)
+    binarized = [d.encode_line(" ".join(pieces), add_if_not_exist=False).tolist()
+                 for pieces in spm_data["lm-encode"](SPM_TEXTS)]
+    expected = [[d.eos()] + ids[:-1] if kind == "lm" else [d.bos()] + ids for ids in binarized]
+    assert_spm_tokenizer(hf, folder, data / "spm.model", expected)
+    assert "the SentencePiece model of the training data" in (tmp_path / "hf" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_spm_tokenizer_gives_fairseq_ids_mlm(model_type, hf, spm_data, tmp_path):
+    """A ``ts_mlm`` trained with ``--task streaming_mlm`` on ``train_spm``'s model (no ``dict.txt``: the
+    dictionary is derived from the model, as the task derives it): the ids are the task's
+    (:class:`SentencePieceDocuments`), framed ``<s> text </s>``."""
+    from torchscale_fairseq.data.document_encoders import (
+        SentencePieceDocuments,
+        load_sentencepiece,
+        sentencepiece_dictionary,
+    )
+
+    spm_path = spm_data[f"mlm-{model_type}"] / "spm.model"
+    d = sentencepiece_dictionary(load_sentencepiece(spm_path))
+    model, a = build_mlm(d, encoder_layers=1)
+    folder = str(tmp_path / "hf")
+    hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "c.pt", data=spm_path.parent, task="streaming_mlm")),
+              out=folder)
+    documents = SentencePieceDocuments(str(spm_path), d)
+    assert_spm_tokenizer(hf, folder, spm_path, [[d.bos()] + documents([t])[:-1] for t in SPM_TEXTS])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["mask_token_id"] == d.index("<mask>")
+
+
+@pytest.fixture(scope="module")
+def nmt_data(tmp_path_factory) -> Path:
+    """A ``prepare_nmt`` output directory; its valid and test lines have characters train never had."""
+    from data_prep import prepare_nmt
+
+    tmp = tmp_path_factory.mktemp("nmt")
+    train = [t for t in SPM_TEXTS if t.strip()] * 4
+    held_out = [f"Ωmega {i} ☃ — 漢字 ÉCOLE\tdone" for i in range(8)]
+    for lang, flip in (("en", 1), ("es", -1)):
+        (tmp / f"all.{lang}").write_text("".join(line[::flip] + "\n" for line in train + held_out))
+    out = tmp / "out"
+    prepare_nmt.main(["--out-dir", str(out), "--train-src", str(tmp / "all.en"), "--train-tgt", str(tmp / "all.es"),
+                      "--valid-size", "4", "--test-size", "4", "--vocab-size", "60", "--workers", "1"])
+    return out
+
+
+def test_spm_tokenizer_gives_prepare_nmt_ids(hf, nmt_data, tmp_path):
+    """``prepare_nmt``'s joined dictionary lists the pieces by frequency (not in SentencePiece's order)
+    and pads itself with ``madeupword`` symbols: the tokenizer of its ``spm.model`` gives every raw line
+    of every split and side the ids ``fairseq-preprocess`` binarized."""
+    from fairseq.data import data_utils
+
+    from data_prep.prepare_nmt import SPLITS
+    from torchscale_fairseq.data.document_encoders import load_sentencepiece
+    from torchscale_fairseq.interop.hf_tokenizer import save_spm_tokenizer
+
+    d = Dictionary.load(str(nmt_data / "dict.en.txt"))
+    processor = load_sentencepiece(nmt_data / "spm.model")
+    assert d.symbols[-1].startswith("madeupword")
+    assert any(d.index(processor.id_to_piece(i)) != i + 1 for i in range(3, processor.get_piece_size()))
+    save_spm_tokenizer(d, nmt_data / "spm.model", "mlm", tmp_path / "tok", 64)
+    raw, binarized = [], []
+    for split in SPLITS:
+        for lang in ("en", "es"):
+            raw += (nmt_data / "raw" / f"{split}.{lang}").read_text().splitlines()
+            data = data_utils.load_indexed_dataset(str(nmt_data / f"{split}.en-es.{lang}"), d)
+            binarized += [[d.bos()] + data[i].tolist() for i in range(len(data))]
+    assert any(d.unk() in ids for ids in binarized)
+    assert [g["ids"] for g in hf.tokenize(folder=str(tmp_path / "tok"), texts=raw)] == binarized
+
+
+def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
+    """A missing, unreadable or foreign (pieces not in the dictionary) SentencePiece model is refused in
+    one line, nothing written."""
+    from data_prep.train_spm import train_sentencepiece
+
+    d = Dictionary.load(str(spm_data["lm"] / "dict.txt"))
+    model, a = build_lm(d, decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
+    ckpt = str(save_checkpoint(model, a, tmp_path / "c.pt", data=spm_data["lm"]))
+    (tmp_path / "other.txt").write_text("".join(f"ZYX {i} QWERTY ÅÄÖ {i * 7}\n" for i in range(200)))
+    train_sentencepiece(tmp_path / "other.txt", tmp_path / "other", 40)
+    (tmp_path / "broken.model").write_bytes(b"not a model")
+    cases = {str(tmp_path / "missing.model"): "^SentencePiece model .*missing.model does not exist: pass the .model",
+             str(tmp_path / "broken.model"): "^SentencePiece model .*broken.model cannot be loaded",
+             str(tmp_path / "other.model"): r"^\d+ of the \d+ pieces of SentencePiece model .*other.model \(e.g. '.+'\) "
+                                            "are not in the model's dictionary: pass the SentencePiece model the "
+                                            r"dictionary was built from \(--spm-model\)$"}
+    for i, (path, message) in enumerate(cases.items()):
+        with pytest.raises(TsConfigError, match=message) as info:
+            export_hf(ckpt, str(tmp_path / f"o{i}"), spm_model=path)
+        assert "\n" not in str(info.value) and not (tmp_path / f"o{i}").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_bad_inputs_one_line_nothing_overwritten(tmp_path):

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", default="ts",
                         help="ts (remote code, every ts_lm and ts_mlm) or gpt2 (native GPT2LMHeadModel)")
     parser.add_argument("--dict", default=None, help="the model's dict.txt (default: DATA/dict.txt of the checkpoint)")
+    parser.add_argument("--spm-model", default=None,
+                        help="SentencePiece model of the data, for the tokenizer (default: the task's, or DATA/spm.model)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as saved)")
     args = parser.parse_args(argv)
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     import torchscale_fairseq  # noqa: F401  (registers the ts models)
     from torchscale_fairseq.interop.hf_export import export_hf
 
-    written = export_hf(args.checkpoint, args.out_dir, args.format, args.dict, args.max_shard_size, args.dtype)
+    written = export_hf(args.checkpoint, args.out_dir, args.format, args.dict, args.max_shard_size, args.dtype,
+                        args.spm_model)
     print(f"exported {args.checkpoint} to {args.out_dir}: {', '.join(written)}", file=sys.stderr)
 
 

@@ -41,7 +41,7 @@ def _stack(cfg: StackConfig) -> str:
     return text
 
 
-def _ids(dictionary: Dictionary | None, vocab: int, tokenizer: bool, kind: str) -> str:
+def _ids(dictionary: Dictionary | None, vocab: int, tokenizer: str | None, kind: str) -> str:
     if dictionary is None:
         ids = (f"Token ids are the fairseq dictionary's ({vocab} rows); the export found no `dict.txt` "
                "(`ts-export-hf --dict` names it).")
@@ -49,10 +49,11 @@ def _ids(dictionary: Dictionary | None, vocab: int, tokenizer: bool, kind: str) 
         specials = ", ".join(f"`{s}`={dictionary.index(s)}" for s in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
                              if s in dictionary.indices)
         ids = f"Token ids are the fairseq dictionary's: {len(dictionary)} entries, {specials}."
-    if tokenizer:
-        return ids + (" `tokenizer.json`: GPT-2 byte-level BPE giving these ids (GPT-2 id + 4), each text "
-                      "started with `</s>` as a fairseq LM is fed.")
     first = "`</s>`" if kind == "lm" else "`<s>`"
+    if tokenizer is not None:
+        what = "byte-level BPE (GPT-2 id + 4)" if tokenizer == "GPT-2" else "model of the training data"
+        frame = "started with `</s>` as a fairseq LM is fed" if kind == "lm" else "framed as `<s> text </s>`"
+        return ids + f" `tokenizer.json`: the {tokenizer} {what} giving these ids, each text {frame}."
     return ids + (f" No tokenizer: encode text as the training data was encoded (its BPE), map the pieces to "
                   f"ids with `dict.txt`, and start each sample with {first}.")
 
@@ -70,9 +71,10 @@ def _load(kind: str, fmt: str) -> str:
 
 
 def model_card(kind: str, fmt: str, cfg: StackConfig, tensors: dict[str, torch.Tensor], recorded: dict[str, Any],
-               task: str | None, dictionary: Dictionary | None, vocab: int, tokenizer: bool) -> str:
+               task: str | None, dictionary: Dictionary | None, vocab: int, tokenizer: str | None) -> str:
     """The ``README.md`` text of a folder exported from a ``kind`` (``lm`` / ``mlm``) checkpoint;
-    ``recorded``: its ``cfg.model`` as saved, ``task``: its task's name, ``vocab``: its embedding's rows."""
+    ``recorded``: its ``cfg.model`` as saved, ``task``: its task's name, ``vocab``: its embedding's rows,
+    ``tokenizer``: the tokenizer written (``GPT-2`` / ``SentencePiece``), ``None`` if none."""
     dense, expert = parameter_counts(tensors)
     arch = recorded.get("arch") or recorded.get("_name")
     options = "\n".join(f"{k} = {v!r}" for k, v in sorted(recorded.items()) if v is not None and not k.startswith("_"))

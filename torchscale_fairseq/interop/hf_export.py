@@ -18,10 +18,14 @@ Two formats:
   (then the scale is folded into ``wte``). fairseq's positions start at ``pad + 1``:
   ``wpe`` is the learned table from that row on.
 
-Token ids are always the fairseq dictionary's ids. With the GPT-2 BPE dictionary of
-``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4), the folder gets a tokenizer
-(:mod:`.hf_tokenizer`) that gives those ids and starts each text with ``</s>``, the token a
-fairseq LM is fed first (``ts_lm`` only). Every folder gets a model card, ``README.md``
+Token ids are always the fairseq dictionary's ids. The folder gets a tokenizer
+(:mod:`.hf_tokenizer`) giving those ids for the dictionaries ``data_prep`` makes: a SentencePiece
+model's (``--spm-model``, else the one the checkpoint's ``streaming_mlm`` task names, else
+``spm.model`` next to the data directory's dictionary, where ``data_prep`` writes it; a
+``streaming_mlm`` checkpoint's dictionary is derived from it, as the task derives it), and, for a
+``ts_lm``, the GPT-2 BPE dictionary of ``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4). A
+``ts_lm``'s texts start with ``</s>``, the token a fairseq LM is fed first; a ``ts_mlm``'s are
+``<s> text </s>``. Every folder gets a model card, ``README.md``
 (:mod:`.hf_card`); the output folder is new, so no file of the user's is ever overwritten.
 """
 
@@ -78,11 +82,15 @@ def recorded_model_options(state: dict[str, Any]) -> dict[str, Any]:
     return dict(vars(model) if isinstance(model, argparse.Namespace) else model)
 
 
+def _task_option(state: dict[str, Any], name: str) -> Any:
+    """Option ``name`` of the checkpoint's task (``cfg.task``), ``None`` if not recorded."""
+    task = (state.get("cfg") or {}).get("task") or {}
+    return task.get(name) if hasattr(task, "get") else getattr(task, name, None)
+
+
 def recorded_task(state: dict[str, Any]) -> str | None:
     """The name of the task the checkpoint was trained with (``cfg.task._name`` or legacy ``args.task``)."""
-    task = (state.get("cfg") or {}).get("task") or {}
-    name = task.get("_name") if hasattr(task, "get") else getattr(task, "_name", None)
-    return name or getattr(state.get("args"), "task", None)
+    return _task_option(state, "_name") or getattr(state.get("args"), "task", None)
 
 
 def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
@@ -104,18 +112,33 @@ def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
     return kind, args
 
 
+def _data_file(state: dict[str, Any], name: str) -> str | None:
+    """File ``name`` of the (first) data directory the checkpoint was trained on, if present."""
+    data = _task_option(state, "data")
+    path = os.path.join(str(data).split(os.pathsep)[0], name) if data else None
+    return path if path and os.path.isfile(path) else None
+
+
 def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dictionary | None:
     """``dict_path``, else ``dict.txt`` of the data directory the checkpoint was trained on, if present."""
     if dict_path is None:
-        task = (state.get("cfg") or {}).get("task") or {}
-        data = task.get("data") if hasattr(task, "get") else getattr(task, "data", None)
-        first = str(data).split(os.pathsep)[0] if data else None
-        if not first or not os.path.isfile(os.path.join(first, "dict.txt")):
+        dict_path = _data_file(state, "dict.txt")
+        if dict_path is None:
             return None
-        dict_path = os.path.join(first, "dict.txt")
     if not os.path.isfile(dict_path):
         raise TsConfigError(f"dictionary {dict_path} does not exist: pass the dict.txt the model was trained with")
     return Dictionary.load(dict_path)
+
+
+def checkpoint_spm_model(state: dict[str, Any], spm_model: str | None) -> Path | None:
+    """``spm_model``, else the ``--spm-model`` of the checkpoint's task, else ``spm.model`` of its data
+    directory, if present."""
+    if spm_model is not None and not os.path.isfile(spm_model):
+        raise TsConfigError(f"SentencePiece model {spm_model} does not exist: pass the .model file the "
+                            "training data was encoded with (--spm-model)")
+    recorded = _task_option(state, "spm_model")
+    path = spm_model or (recorded if recorded and os.path.isfile(recorded) else _data_file(state, "spm.model"))
+    return Path(path) if path else None
 
 
 def _mlm_name(name: str) -> str | None:
@@ -324,10 +347,11 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
 
 
 def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | None = None,
-              max_shard_size: str = "5GB", dtype: str | None = None) -> list[str]:
+              max_shard_size: str = "5GB", dtype: str | None = None, spm_model: str | None = None) -> list[str]:
     """Write the export of ``checkpoint`` to the new folder ``out_dir``; returns the files written."""
+    from torchscale_fairseq.data.document_encoders import MASK_SYMBOL, load_sentencepiece, sentencepiece_dictionary
     from torchscale_fairseq.interop.hf_card import model_card
-    from torchscale_fairseq.interop.hf_tokenizer import is_gpt2_dictionary, save_gpt2_tokenizer
+    from torchscale_fairseq.interop.hf_tokenizer import is_gpt2_dictionary, save_gpt2_tokenizer, save_spm_tokenizer
 
     if fmt not in FORMATS:
         raise TsConfigError(f"--format {fmt!r} is unknown: choose one of {', '.join(FORMATS)}")
@@ -346,6 +370,11 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     _check_experts(weights, cfg)
     vocab = vocab_size(weights, kind)
     dictionary = checkpoint_dictionary(state, dict_path)
+    spm_path = checkpoint_spm_model(state, spm_model)
+    if dictionary is None and spm_path is not None and recorded_task(state) == "streaming_mlm":
+        dictionary = sentencepiece_dictionary(load_sentencepiece(spm_path))
+    if dictionary is not None and kind == "mlm" and recorded_task(state) == "masked_lm":
+        dictionary.add_symbol(MASK_SYMBOL)  # as fairseq's masked_lm task adds it to dict.txt's symbols
     if dictionary is not None and len(dictionary) != vocab:
         raise TsConfigError(f"the dictionary has {len(dictionary)} entries but the checkpoint's embedding "
                             f"{vocab}: pass the dict.txt the model was trained with (--dict)")
@@ -353,7 +382,7 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     eos = dictionary.eos() if dictionary is not None else 2
     specials = {"pad_token_id": pad, "eos_token_id": eos, "bos_token_id": eos}
     if kind == "mlm":  # fairseq's masked_lm task starts each sample with <s> and masks with <mask>
-        mask = dictionary.index("<mask>") if dictionary is not None and "<mask>" in dictionary.indices else None
+        mask = dictionary.index(MASK_SYMBOL) if dictionary is not None and MASK_SYMBOL in dictionary.indices else None
         specials["bos_token_id"] = dictionary.bos() if dictionary is not None else 0
         tensors = ts_tensors(weights, args, kind)
         config = ts_config(cfg, vocab, True, specials, {"mask_token_id": mask}, kind)
@@ -383,8 +412,12 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
             for name in MODELING_FILES[kind]:
                 shutil.copyfile(MODELING_DIR / name, staging / name)
             written.extend(MODELING_FILES[kind])
-        tokenizer = kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary)
-        if tokenizer:
+        tokenizer = None
+        if dictionary is not None and spm_path is not None:
+            tokenizer = "SentencePiece"
+            written.extend(save_spm_tokenizer(dictionary, spm_path, kind, staging, cfg.max_positions))
+        elif kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary):
+            tokenizer = "GPT-2"
             written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))
         card = model_card(kind, fmt, cfg, tensors, recorded_model_options(state), recorded_task(state), dictionary,
                           vocab, tokenizer)

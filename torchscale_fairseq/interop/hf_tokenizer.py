@@ -1,23 +1,44 @@
-"""A Hugging Face tokenizer for models trained on ``data_prep.prepare_lm``'s GPT-2 BPE dictionary.
+"""Hugging Face tokenizers whose ids are the fairseq dictionary's, for the dictionaries ``data_prep`` makes.
 
-That dictionary lists the GPT-2 ids 0..50256 after fairseq's four specials, so a fairseq
-id is the GPT-2 id + 4. The exported ``tokenizer.json`` is GPT-2's byte-level BPE with
-every token's id shifted by 4 (its vocabulary and merges rebuilt offline from the tiktoken
-ranks of :mod:`torchscale_fairseq.data.gpt2_bpe`), the specials ``<s> <pad> </s> <unk>``
-at 0..3, and a post-processor that puts ``</s>`` first, as fairseq feeds a language
-model. Merges: the token of rank ``r >= 256`` is the merge of the two parts that BPE
+GPT-2 BPE (``data_prep.prepare_lm``'s default): that dictionary lists the GPT-2 ids 0..50256
+after fairseq's four specials, so a fairseq id is the GPT-2 id + 4. The exported
+``tokenizer.json`` is GPT-2's byte-level BPE with every token's id shifted by 4 (its
+vocabulary and merges rebuilt offline from the tiktoken ranks of
+:mod:`torchscale_fairseq.data.gpt2_bpe`) and the specials ``<s> <pad> </s> <unk>`` at 0..3.
+Merges: the token of rank ``r >= 256`` is the merge of the two parts that BPE
 with the ranks below ``r`` leaves of its bytes (GPT-2's ``merges.txt`` in rank order).
+
+SentencePiece (``prepare_lm --spm-vocab``, ``prepare_nmt``, ``train_spm`` for ``streaming_mlm``):
+the model's unigram or BPE pieces, each at its fairseq id (the dictionary is looked up by piece,
+so its order need not be SentencePiece's), with SentencePiece's normalization (the model's
+precompiled NFKC map, extra spaces removed, a ``▁`` prefix), read from the ``.model`` file
+itself (a protobuf, parsed here: no ``protobuf`` dependency). Every dictionary symbol that is
+not a piece (fairseq's specials, ``<mask>``, padding symbols) is a special token; as in every
+transformers tokenizer, a special token's text in the input (``</s>``) gets its id, where fairseq
+would encode its characters.
+
+A ``ts_lm``'s texts start with ``</s>``, as fairseq feeds a language model; a ``ts_mlm``'s are
+``<s> text </s>``, as ``streaming_mlm`` blocks start and its lines end.
 """
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fairseq.data import Dictionary
 
 from torchscale_fairseq.data import gpt2_bpe
+from torchscale_fairseq.data.document_encoders import MASK_SYMBOL, load_sentencepiece
+from torchscale_fairseq.errors import TsConfigError
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+# sentencepiece_model.proto: ModelType UNIGRAM, BPE; piece types NORMAL, USER_DEFINED, BYTE
+UNIGRAM, BPE = 1, 2
+NORMAL, USER_DEFINED, BYTE = 1, 4, 6
 
 
 def is_gpt2_dictionary(dictionary: Dictionary) -> bool:
@@ -75,8 +96,7 @@ def gpt2_vocab_and_merges(offset: int) -> tuple[dict[str, int], list[tuple[str, 
 
 def save_gpt2_tokenizer(dictionary: Dictionary, out: Path, max_length: int) -> list[str]:
     """Write the tokenizer files for the fairseq GPT-2 dictionary ``dictionary`` into ``out``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab, merges = gpt2_vocab_and_merges(len(SPECIALS))
     for i, symbol in enumerate(dictionary.symbols):
@@ -85,12 +105,137 @@ def save_gpt2_tokenizer(dictionary: Dictionary, out: Path, max_length: int) -> l
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    eos = dictionary.eos_word
+    return _save(backend, dictionary, SPECIALS, "lm", out, max_length)
+
+
+def _save(backend: Any, dictionary: Dictionary, specials: list[str] | tuple[str, ...], kind: str, out: Path,
+          max_length: int) -> list[str]:
+    """Add the ``kind``'s framing (``</s> text`` for an LM, ``<s> text </s>`` for a masked LM) and the
+    special tokens to the ``tokenizers`` object ``backend``; save it as a transformers tokenizer into ``out``."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = dictionary.bos_word, dictionary.eos_word
+    if kind == "lm":
+        single, pair, bos = f"{eos} $A", f"{eos} $A $B", eos
+    else:
+        single, pair = f"{bos} $A {eos}", f"{bos} $A {eos} $B {eos}"
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{eos} $A", pair=f"{eos} $A $B", special_tokens=[(eos, dictionary.eos())])
-    backend.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+        single=single, pair=pair, special_tokens=[(s, dictionary.index(s)) for s in dict.fromkeys((bos, eos))])
+    backend.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    extra = {"mask_token": MASK_SYMBOL} if kind == "mlm" and MASK_SYMBOL in dictionary.indices else {}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=eos, eos_token=eos, pad_token=dictionary.pad_word,
-        unk_token=dictionary.unk_word, model_max_length=max_length,
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=dictionary.pad_word,
+        unk_token=dictionary.unk_word, model_max_length=max_length, **extra,
     )
     return [Path(p).name for p in tokenizer.save_pretrained(str(out))]
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The protobuf varint at ``data[pos:]`` and the position after it."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, Any]]:
+    """``(field number, value)`` of a protobuf message: varints as ints, length-delimited fields as
+    bytes, 32-bit fields as floats (the only fixed-size fields of a SentencePiece model)."""
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        wire = key & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            value, pos = data[pos:pos + size], pos + size
+        elif wire == 5:
+            value, pos = struct.unpack("<f", data[pos:pos + 4])[0], pos + 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+        yield key >> 3, value
+
+
+@dataclass
+class SpmModel:
+    """What a SentencePiece ``.model`` holds that the tokenizer needs (``sentencepiece_model.proto``)."""
+
+    pieces: list[tuple[str, float, int]]  # piece, score, type
+    model_type: int = UNIGRAM
+    byte_fallback: bool = False
+    charsmap: bytes = b""
+    add_dummy_prefix: bool = True
+    remove_extra_whitespaces: bool = True
+    escape_whitespaces: bool = True
+
+
+def read_spm_model(path: Path) -> SpmModel:
+    """The pieces, model type and normalizer of the SentencePiece model at ``path`` (one-line error if invalid)."""
+    load_sentencepiece(path)
+    model = SpmModel(pieces=[])
+    for field, value in _fields(path.read_bytes()):
+        if field == 1:
+            piece = dict(_fields(value))
+            model.pieces.append((piece.get(1, b"").decode("utf-8"), piece.get(2, 0.0), piece.get(3, NORMAL)))
+        elif field == 2:
+            trainer = dict(_fields(value))
+            model.model_type, model.byte_fallback = trainer.get(3, UNIGRAM), bool(trainer.get(35, 0))
+        elif field == 3:
+            spec = dict(_fields(value))
+            model.charsmap = spec.get(2, b"")
+            model.add_dummy_prefix, model.remove_extra_whitespaces, model.escape_whitespaces = (
+                bool(spec.get(n, 1)) for n in (3, 4, 5))
+    return model
+
+
+def _spm_backend(spm: SpmModel, dictionary: Dictionary, normal: dict[str, tuple[float, int]]) -> Any:
+    """The ``tokenizers`` model, normalizer, pre-tokenizer and decoder of ``spm`` (as transformers'
+    ``SpmConverter`` builds them, in SentencePiece's order), ids from ``dictionary``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    if spm.model_type == UNIGRAM:
+        vocab = [(s, normal[s][0] if s in normal else 0.0) for s in dictionary.symbols]
+        backend = Tokenizer(models.Unigram(vocab, unk_id=dictionary.unk()))
+    else:  # BPE merges: every split of a piece into two pieces, ranked by the piece's score, then id
+        ranked = sorted((-score, i, piece[:k], piece[k:]) for piece, (score, i) in normal.items()
+                        for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal)
+        backend = Tokenizer(models.BPE({s: i for i, s in enumerate(dictionary.symbols)},
+                                       [(a, b) for _, _, a, b in ranked], unk_token=dictionary.unk_word,
+                                       fuse_unk=True))
+    steps = [normalizers.Precompiled(spm.charsmap)] if spm.charsmap else []
+    if spm.remove_extra_whitespaces:  # spaces only: SentencePiece leaves other whitespace alone
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "▁"))
+    if spm.add_dummy_prefix:  # Metaspace adds no prefix to a text starting with "▁"; SentencePiece does
+        steps.append(normalizers.Replace(Regex(r"\A▁"), "▁▁"))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    backend.normalizer = normalizers.Sequence(steps)
+    fuse = [decoders.Fuse(), decoders.Strip(content=" ", left=1)] if spm.add_dummy_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), *fuse])
+    return backend
+
+
+def save_spm_tokenizer(dictionary: Dictionary, model_path: Path, kind: str, out: Path, max_length: int) -> list[str]:
+    """Write the tokenizer of SentencePiece model ``model_path`` with the fairseq ids of ``dictionary``
+    into ``out``; a one-line :class:`TsConfigError` if the model is not the dictionary's or not supported."""
+    spm = read_spm_model(model_path)
+    if spm.model_type not in (UNIGRAM, BPE):
+        raise TsConfigError(f"SentencePiece model {model_path} is a word or char model: only unigram and bpe "
+                            "models (data_prep's) can be exported as a tokenizer")
+    if spm.byte_fallback or any(type_ in (USER_DEFINED, BYTE) for _, _, type_ in spm.pieces):
+        raise TsConfigError(f"SentencePiece model {model_path} has byte-fallback or user-defined pieces, which "
+                            "data_prep never trains: no tokenizer can be exported for it")
+    normal = {piece: (score, i) for i, (piece, score, type_) in enumerate(spm.pieces) if type_ == NORMAL}
+    missing = [piece for piece in normal if piece not in dictionary.indices]
+    if missing:
+        raise TsConfigError(f"{len(missing)} of the {len(normal)} pieces of SentencePiece model {model_path} "
+                            f"(e.g. {missing[0]!r}) are not in the model's dictionary: pass the SentencePiece "
+                            "model the dictionary was built from (--spm-model)")
+    specials = [s for s in dictionary.symbols if s not in normal]
+    return _save(_spm_backend(spm, dictionary, normal), dictionary, specials, kind, out, max_length)
