@@ -54,6 +54,7 @@ def torchscale_decoder(torchscale, d: Dictionary, positions: str, **config):
     DecoderConfig, Decoder = torchscale
     cfg = DecoderConfig(vocab_size=len(d), decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=64,
                         decoder_layers=2, max_target_positions=64, **config)
+    cfg.dummy_a2a = True  # TorchScale's MoE all-to-all records CUDA events; one process exchanges nothing
     torch.manual_seed(0)
     embed = nn.Embedding(len(d), 32, padding_idx=d.pad())
     nn.init.normal_(embed.weight, std=32**-0.5)
@@ -111,6 +112,63 @@ def test_import_matches_torchscale(case, torchscale, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     with torch.no_grad():
         assert (hf(tokens).logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.fixture
+def torchscale_moe(torchscale, tmp_path, monkeypatch):
+    """TorchScale's MoE layers need a process group (here one gloo rank); its gate logs expert
+    histograms with ``torch.histc`` on integer indices, which the CPU lacks (cast to float here)."""
+    import torch.distributed as dist
+    from torchscale.component.xmoe import global_groups
+
+    from tests.rendezvous import leave_process_group, rendezvous_url
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda x, *args, **kw: histc(x.float(), *args, **kw))
+    dist.init_process_group("gloo", init_method=rendezvous_url(tmp_path), rank=0, world_size=1)
+    yield torchscale
+    for cached in (global_groups.get_moe_group, global_groups.get_all2all_group):
+        cached.__dict__.clear()  # TorchScale caches its groups on the functions
+    leave_process_group()
+
+
+MOE_CASES = {  # no padding tokens (TorchScale routes them, ts_lm does not)
+    "top2-subln-no-drop": dict(subln=True, moe_expert_count=4, moe_freq=2, moe_second_expert_policy="all",
+                               moe_eval_capacity_token_fraction=1.0),
+    "top2-drops": dict(subln=True, moe_expert_count=4, moe_freq=1, moe_second_expert_policy="all"),
+    "top1-deepnorm": dict(deepnorm=True, moe_expert_count=2, moe_freq=1, moe_top1_expert=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_import_moe_matches_torchscale(case, torchscale_moe, tmp_path):
+    """TorchScale's MoE decoder (linear gate, all experts in one state_dict) in evaluation, with
+    and without dropped tokens (evaluation capacity ``ceil(fraction * T)``)."""
+    d = dictionary()
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", **MOE_CASES[case])
+    tokens = torch.randint(d.nspecial, len(d), (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = decoder(tokens)[0]
+    src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
+    import_torchscale(str(src), str(tmp_path / "ts_lm.pt"), str(data_dir(d, tmp_path / "data")))
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ts_lm.pt")])
+    with torch.no_grad():
+        got = models[0].eval()(tokens)[0]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_import_moe_refusals(torchscale_moe, tmp_path):
+    d = dictionary()
+    data = data_dir(d, tmp_path / "data")
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2, use_xmoe=True)
+    with pytest.raises(TsConfigError, match="use_xmoe: .* no temperature"):
+        import_torchscale(str(save_torchscale(decoder, cfg, tmp_path / "xmoe.pt")), str(tmp_path / "a.pt"), str(data))
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2)
+    state = {k: v for k, v in decoder.state_dict().items() if ".experts.3." not in k}
+    torch.save({"model": state, "args": dict(vars(cfg))}, tmp_path / "shard.pt")
+    with pytest.raises(TsConfigError, match=r"MoE layers \[1\] hold \[3\] of 4 experts: one rank's expert shard"):
+        import_torchscale(str(tmp_path / "shard.pt"), str(tmp_path / "b.pt"), str(data))
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
 
 
 def test_import_restores_in_fairseq_train(torchscale, lm_data, tmp_path):

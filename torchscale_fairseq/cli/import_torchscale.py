@@ -1,5 +1,5 @@
 """``ts-import-torchscale SOURCE OUTPUT --data DATA``: a TorchScale ``Decoder`` checkpoint
-(Magneto ``subln`` or ``deepnorm``) as a ``ts_lm`` checkpoint for ``fairseq-train --restore-file``,
+(Magneto ``subln`` or ``deepnorm``, dense or MoE) as a ``ts_lm`` checkpoint for ``fairseq-train --restore-file``,
 ``fairseq-eval-lm`` and ``ts-export-hf`` (see :mod:`torchscale_fairseq.interop.torchscale_import`)."""
 
 from __future__ import annotations

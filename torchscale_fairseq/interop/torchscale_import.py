@@ -13,8 +13,14 @@ Mapping (TorchScale -> ts_lm): ``subln`` -> ``--backbone magneto``; ``deepnorm``
 -> ``--decoder-learned-pos``; no table -> ``positions`` (``none``, TorchScale's ``Decoder``
 default, or ``sinusoidal`` for fairseq's sinusoidal table, which has no weights);
 ``output_projection`` tied to ``embed_tokens`` -> ``--share-decoder-input-output-embed``.
-Refused with one line: X-MoE layers, relative position buckets (TorchScale's decoder bias is
-bidirectional, ours causal), multiway, ``swish`` activation, an xPos scale base other than 512.
+MoE layers (``moe_expert_count``, ``moe_freq``): the linear gate ``wg`` -> ``--moe-router linear``;
+the experts' ``fc1``/``fc2``/``ffn_layernorm`` stacked as ``ffn.experts.*`` (``(E, in, out)``);
+``moe_top1_expert`` -> ``--moe-top-k 1``; second-expert policy, gate normalisation before dropping
+and the evaluation capacity ``ceil(fraction * T)`` mapped (see :func:`moe_flags`). Only the
+single-process layout (every expert in one ``state_dict``) is read.
+Refused with one line: ``use_xmoe`` (TorchScale's X-MoE gate scores differ from ts_lm's cosine
+router), ``moe_gating_use_fp32=False``, one rank's expert shard, relative position buckets
+(TorchScale's decoder bias is bidirectional, ours causal), multiway, ``swish`` activation, an xPos scale base other than 512.
 The full list of default differences is in ``docs/interop.md``.
 """
 
@@ -58,9 +64,15 @@ def decoder_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _refuse_unsupported(ts: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    moe, count = is_moe(ts), int(ts.get("moe_expert_count") or 0)
+    shards = {layer: n for layer, n in held_experts(weights).items() if n != count}
     checks = [
-        ((ts.get("moe_expert_count") or 0) > 0 and (ts.get("moe_freq") or 0) > 0,
-         "X-MoE layers (TorchScale's gate and expert layout) are not imported yet"),
+        (moe and bool(ts.get("use_xmoe")),
+         "use_xmoe: TorchScale 0.3.0's X-MoE gate scores (W x).e/|e| (no token normalisation, no temperature), "
+         "ts_lm's xmoe router cos(W x, e)/tau; only its linear gate (use_xmoe False) is imported"),
+        (moe and not ts.get("moe_gating_use_fp32", True), "moe_gating_use_fp32 False (ts_lm's router runs in fp32)"),
+        (moe and bool(shards), f"MoE layers {sorted(shards)} hold {sorted(set(shards.values()))} of {count} experts: "
+         "one rank's expert shard; only the single-process layout (every expert in one state_dict) is imported"),
         ((ts.get("rel_pos_buckets") or 0) > 0 and (ts.get("max_rel_pos") or 0) > 0,
          "--rel-pos-buckets: TorchScale's decoder bias is bidirectional, ts_lm's is causal"),
         (bool(ts.get("multiway")), "multiway (BEiT-3) layers"),
@@ -73,6 +85,21 @@ def _refuse_unsupported(ts: dict[str, Any], weights: dict[str, torch.Tensor]) ->
     for bad, why in checks:
         if bad:
             raise TsConfigError(f"cannot import this TorchScale checkpoint: {why}")
+
+
+def is_moe(ts: dict[str, Any]) -> bool:
+    """TorchScale builds MoE layers when both ``moe_expert_count`` and ``moe_freq`` are positive."""
+    return (ts.get("moe_expert_count") or 0) > 0 and (ts.get("moe_freq") or 0) > 0
+
+
+def held_experts(weights: dict[str, torch.Tensor]) -> dict[int, int]:
+    """Experts per MoE layer in ``weights`` (``layers.I.moe_layer.experts.E.*``)."""
+    held: dict[int, set[str]] = {}
+    for name in weights:
+        parts = name.split(".")
+        if parts[2:4] == ["moe_layer", "experts"]:
+            held.setdefault(int(parts[1]), set()).add(parts[4])
+    return {layer: len(ids) for layer, ids in held.items()}
 
 
 def backbone_of(ts: dict[str, Any]) -> str:
@@ -89,7 +116,8 @@ def ts_lm_weights(weights: dict[str, torch.Tensor], layers: int, tied: bool) -> 
     fairseq's sinusoidal ``_float_tensor``) are dropped."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if name.endswith(("_float_tensor", ".xpos.scale")) or ".q_proj." in name or ".k_proj." in name or ".v_proj." in name:
+        if name.endswith(("_float_tensor", ".xpos.scale")) or any(
+                f".{part}." in name for part in ("q_proj", "k_proj", "v_proj", "moe_layer")):
             continue
         if name == "output_projection.weight":
             if not tied:
@@ -102,7 +130,45 @@ def ts_lm_weights(weights: dict[str, torch.Tensor], layers: int, tied: bool) -> 
         for kind in ("weight", "bias"):
             parts = [weights[f"layers.{i}.self_attn.{p}_proj.{kind}"] for p in "qkv"]
             out[f"decoder.layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(parts, 0)
+    return out | moe_weights(weights, layers)
+
+
+EXPERT_NAMES = (("fc1_weight", "fc1.weight"), ("fc1_bias", "fc1.bias"), ("fc2_weight", "fc2.weight"),
+                ("fc2_bias", "fc2.bias"), ("ln_weight", "ffn_layernorm.weight"), ("ln_bias", "ffn_layernorm.bias"))
+
+
+def moe_weights(weights: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """TorchScale's MoE layers -> ``ts_lm``'s: ``gate.wg`` -> the linear router, the experts'
+    ``nn.Linear`` weights ``(out, in)`` stacked as ``(expert, in, out)``, biases and sub-LN stacked."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        src, dst = f"layers.{i}.moe_layer.", f"decoder.layers.{i}.ffn."
+        if src + "gate.wg.weight" not in weights:
+            continue
+        out[dst + "router.gate.weight"] = weights[src + "gate.wg.weight"]
+        count = held_experts(weights)[i]
+        for ours, theirs in EXPERT_NAMES:
+            if f"{src}experts.0.{theirs}" in weights:
+                parts = [weights[f"{src}experts.{e}.{theirs}"] for e in range(count)]
+                out[dst + "experts." + ours] = torch.stack([p.t() if p.dim() == 2 else p for p in parts])
     return out
+
+
+def moe_flags(ts: dict[str, Any]) -> list[str]:
+    """``ts_lm``'s MoE flags: a linear router, TorchScale's top-1 / top-2 and second-expert policy
+    (any policy but ``random`` and ``sampling`` keeps the second expert: ``all``), training capacity
+    factor 1, evaluation capacity ``ceil(fraction * T)`` as the factor ``fraction * E / k`` (a
+    fraction of 0: the training capacity)."""
+    count, top_k = int(ts["moe_expert_count"]), 1 if ts.get("moe_top1_expert") else 2
+    fraction = float(ts.get("moe_eval_capacity_token_fraction", 0.25))
+    policy = ts.get("moe_second_expert_policy", "random")
+    flags = ["--moe-expert-count", str(count), "--moe-freq", str(ts["moe_freq"]), "--moe-top-k", str(top_k),
+             "--moe-router", "linear", "--moe-capacity-factor", "1.0",
+             "--moe-eval-capacity-factor", str(fraction * count / top_k if fraction > 0 else 1.0),
+             "--moe-second-expert-policy", policy if policy in ("random", "sampling") else "all"]
+    if ts.get("moe_normalize_gate_prob_before_dropping"):
+        flags.append("--moe-normalize-gate-prob-before-dropping")
+    return flags
 
 
 def ts_lm_flags(ts: dict[str, Any], weights: dict[str, torch.Tensor], positions: str, tied: bool) -> list[str]:
@@ -111,7 +177,8 @@ def ts_lm_flags(ts: dict[str, Any], weights: dict[str, torch.Tensor], positions:
     max_positions = int(ts.get("max_target_positions") or 1024)
     flags = [
         "--backbone", backbone_of(ts), "--decoder-layers", str(ts.get("decoder_layers", 12)),
-        "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim", str(weights["layers.0.ffn.fc1.weight"].size(0)),
+        "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim",
+        str(next(t for k, t in weights.items() if k.endswith(".fc1.weight")).size(0)),
         "--decoder-attention-heads", str(ts.get("decoder_attention_heads", 12)),
         "--activation-fn", str(ts.get("activation_fn", "gelu")),
         "--dropout", str(ts.get("dropout", 0.0)), "--attention-dropout", str(ts.get("attention_dropout", 0.0)),
@@ -126,6 +193,8 @@ def ts_lm_flags(ts: dict[str, Any], weights: dict[str, torch.Tensor], positions:
         flags.append("--xpos")
     if tied:
         flags.append("--share-decoder-input-output-embed")
+    if is_moe(ts):
+        flags += moe_flags(ts)
     if "embed_positions.weight" in weights:
         flags.append("--decoder-learned-pos")
     elif positions == "none":
