@@ -48,13 +48,13 @@ POSITIONS = ("none", "sinusoidal")
 
 
 def torchscale_config(state: dict[str, Any]) -> dict[str, Any]:
-    """The ``DecoderConfig`` fields recorded in ``state``."""
+    """The ``DecoderConfig`` (or ``EncoderDecoderConfig``) fields recorded in ``state``."""
     cfg = state.get("cfg") or {}
     found = cfg.get("model") if hasattr(cfg, "get") else None
     found = found if found is not None else state.get("args")
     if found is None:
         raise TsConfigError("the checkpoint records no TorchScale DecoderConfig (cfg.model or args): "
-                            "save it with args=vars(decoder.args)")
+                            "save it with args=vars(model.args)")
     return dict(vars(found) if isinstance(found, argparse.Namespace) else found)
 
 
@@ -70,6 +70,7 @@ def torchscale_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def is_encoder_decoder(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether ``weights`` (named as :func:`torchscale_weights` names them) are an ``EncoderDecoder``'s."""
     return "encoder.embed_tokens.weight" in weights
 
 
@@ -224,7 +225,8 @@ def model_flags(ts: dict[str, Any], weights: dict[str, torch.Tensor], positions:
         flags.append("--layernorm-embedding")
     if ts.get("xpos_rel_pos"):
         flags.append("--xpos")
-    if encdec and weights["encoder.embed_tokens.weight"].data_ptr() == weights["decoder.embed_tokens.weight"].data_ptr():
+    if encdec and (bool(ts.get("share_all_embeddings")) or weights["encoder.embed_tokens.weight"].data_ptr()
+                   == weights["decoder.embed_tokens.weight"].data_ptr()):
         flags.append("--share-all-embeddings")
     elif tied:
         flags.append("--share-decoder-input-output-embed")
