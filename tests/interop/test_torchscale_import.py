@@ -33,27 +33,29 @@ DOUBLES = str(Path(__file__).parent / "doubles")
 
 @pytest.fixture(scope="module")
 def torchscale():
-    """``(DecoderConfig, Decoder)`` of the real torchscale package."""
+    """``(DecoderConfig, Decoder, EncoderDecoderConfig, EncoderDecoder)`` of the real torchscale package."""
     pytest.importorskip("torchscale", reason="pip install torchscale==0.3.0")
     missing = [m for m in ("fairscale", "timm") if importlib.util.find_spec(m) is None]
     if missing:
         sys.path.insert(0, DOUBLES)
     try:
-        from torchscale.architecture.config import DecoderConfig
+        from torchscale.architecture.config import DecoderConfig, EncoderDecoderConfig
         from torchscale.architecture.decoder import Decoder
+        from torchscale.architecture.encoder_decoder import EncoderDecoder
     finally:
         if missing:
             sys.path.remove(DOUBLES)
             for name in [n for n in sys.modules if n.split(".")[0] in missing]:
                 del sys.modules[name]
-    return DecoderConfig, Decoder
+    return DecoderConfig, Decoder, EncoderDecoderConfig, EncoderDecoder
 
 
 def torchscale_decoder(torchscale, d: Dictionary, positions: str, **config):
     """A random TorchScale ``Decoder``; ``positions``: fairseq's ``learned`` or ``sinusoidal`` table, or ``none``."""
-    DecoderConfig, Decoder = torchscale
+    DecoderConfig, Decoder, _, _ = torchscale
     cfg = DecoderConfig(vocab_size=len(d), decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=64,
                         decoder_layers=2, max_target_positions=64, **config)
+    cfg.dummy_a2a = True  # TorchScale's MoE all-to-all records CUDA events; one process exchanges nothing
     torch.manual_seed(0)
     embed = nn.Embedding(len(d), 32, padding_idx=d.pad())
     nn.init.normal_(embed.weight, std=32**-0.5)
@@ -113,6 +115,128 @@ def test_import_matches_torchscale(case, torchscale, tmp_path):
         assert (hf(tokens).logits - ref).abs().max().item() < 1e-4
 
 
+@pytest.fixture
+def torchscale_moe(torchscale, tmp_path, monkeypatch):
+    """TorchScale's MoE layers need a process group (here one gloo rank); its gate logs expert
+    histograms with ``torch.histc`` on integer indices, which the CPU lacks (cast to float here)."""
+    import torch.distributed as dist
+    from torchscale.component.xmoe import global_groups
+
+    from tests.rendezvous import leave_process_group, rendezvous_url
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda x, *args, **kw: histc(x.float(), *args, **kw))
+    dist.init_process_group("gloo", init_method=rendezvous_url(tmp_path), rank=0, world_size=1)
+    yield torchscale
+    for cached in (global_groups.get_moe_group, global_groups.get_all2all_group):
+        cached.__dict__.clear()  # TorchScale caches its groups on the functions
+    leave_process_group()
+
+
+MOE_CASES = {  # no padding tokens (TorchScale routes them, ts_lm does not)
+    "top2-subln-no-drop": dict(subln=True, moe_expert_count=4, moe_freq=2, moe_second_expert_policy="all",
+                               moe_eval_capacity_token_fraction=1.0),
+    "top2-drops": dict(subln=True, moe_expert_count=4, moe_freq=1, moe_second_expert_policy="all"),
+    "top1-deepnorm": dict(deepnorm=True, moe_expert_count=2, moe_freq=1, moe_top1_expert=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_import_moe_matches_torchscale(case, torchscale_moe, tmp_path):
+    """TorchScale's MoE decoder (linear gate, all experts in one state_dict) in evaluation, with
+    and without dropped tokens (evaluation capacity ``ceil(fraction * T)``)."""
+    d = dictionary()
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", **MOE_CASES[case])
+    tokens = torch.randint(d.nspecial, len(d), (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = decoder(tokens)[0]
+    src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
+    import_torchscale(str(src), str(tmp_path / "ts_lm.pt"), str(data_dir(d, tmp_path / "data")))
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ts_lm.pt")])
+    with torch.no_grad():
+        got = models[0].eval()(tokens)[0]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_import_moe_refusals(torchscale_moe, tmp_path):
+    d = dictionary()
+    data = data_dir(d, tmp_path / "data")
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2, use_xmoe=True)
+    with pytest.raises(TsConfigError, match="use_xmoe: .* no temperature"):
+        import_torchscale(str(save_torchscale(decoder, cfg, tmp_path / "xmoe.pt")), str(tmp_path / "a.pt"), str(data))
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2)
+    state = {k: v for k, v in decoder.state_dict().items() if ".experts.3." not in k}
+    torch.save({"model": state, "args": dict(vars(cfg))}, tmp_path / "shard.pt")
+    with pytest.raises(TsConfigError, match=r"MoE layers \[.decoder.layers.1.\] hold \[3\] of 4 experts: one rank's"):
+        import_torchscale(str(tmp_path / "shard.pt"), str(tmp_path / "b.pt"), str(data))
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
+
+
+def torchscale_encoder_decoder(torchscale, d: Dictionary, learned: bool, **config):
+    """A random TorchScale ``EncoderDecoder`` (both sides with fairseq's learned table, or none)."""
+    _, _, EncoderDecoderConfig, EncoderDecoder = torchscale
+    cfg = EncoderDecoderConfig(vocab_size=len(d), encoder_embed_dim=32, encoder_attention_heads=4,
+                               encoder_ffn_embed_dim=64, encoder_layers=2, decoder_embed_dim=32,
+                               decoder_attention_heads=4, decoder_ffn_embed_dim=64, decoder_layers=2,
+                               max_source_positions=64, max_target_positions=64, **config)
+    cfg.dummy_a2a = True
+    torch.manual_seed(0)
+    embeds = [nn.Embedding(len(d), 32, padding_idx=d.pad()) for _ in range(2)]
+    tables = [PositionalEmbedding(64, 32, d.pad(), learned=True) if learned else None for _ in range(2)]
+    model = EncoderDecoder(cfg, embeds[0], tables[0], None if cfg.share_all_embeddings else embeds[1], tables[1]).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "_ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model, cfg
+
+
+ENCDEC_CASES = {
+    "preln-learned": dict(config=dict(subln=False), learned=True),
+    "deepnorm-shared": dict(config=dict(deepnorm=True, share_all_embeddings=True), learned=False),
+    "deepnorm-shared-moe": dict(config=dict(deepnorm=True, share_all_embeddings=True, moe_expert_count=2, moe_freq=2,
+                                            moe_second_expert_policy="all", moe_eval_capacity_token_fraction=1.0),
+                                learned=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENCDEC_CASES))
+def test_import_encoder_decoder_matches_torchscale(case, torchscale_moe, tmp_path):
+    """TorchScale's ``EncoderDecoder`` -> ``ts_transformer`` (source without padding: TorchScale's
+    ``EncoderDecoder`` passes its encoder no padding mask; MoE without dropped tokens: TorchScale's
+    encoder gives capacity slots in time-major order, ts_transformer's in batch-major order)."""
+    spec, d = ENCDEC_CASES[case], dictionary()
+    model, cfg = torchscale_encoder_decoder(torchscale_moe, d, spec["learned"], **spec["config"])
+    src = torch.randint(d.nspecial, len(d), (2, 11), generator=torch.Generator().manual_seed(1))
+    prev = torch.randint(d.nspecial, len(d), (2, 7), generator=torch.Generator().manual_seed(2))
+    prev[:, 0] = d.eos()
+    with torch.no_grad():
+        ref = model(src, prev)[0]
+    torch.save({"model": model.state_dict(), "args": dict(vars(cfg))}, tmp_path / "torchscale.pt")
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang in ("de", "en"):
+        d.save(str(data / f"dict.{lang}.txt"))
+    import_torchscale(str(tmp_path / "torchscale.pt"), str(tmp_path / "ts.pt"), str(data), langs=("de", "en"))
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ts.pt")])
+    with torch.no_grad():
+        got = models[0].eval()(src, torch.full((2,), 11), prev)[0]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_import_encoder_decoder_refusals(torchscale_moe, tmp_path):
+    d = dictionary()
+    model, cfg = torchscale_encoder_decoder(torchscale_moe, d, False)  # TorchScale's default: subln
+    torch.save({"model": model.state_dict(), "args": dict(vars(cfg))}, tmp_path / "magneto.pt")
+    with pytest.raises(TsConfigError, match="cross-attention has no Sub-LN"):
+        import_torchscale(str(tmp_path / "magneto.pt"), str(tmp_path / "a.pt"), str(tmp_path), langs=("de", "en"))
+    model, cfg = torchscale_encoder_decoder(torchscale_moe, d, False, deepnorm=True)
+    torch.save({"model": model.state_dict(), "args": dict(vars(cfg))}, tmp_path / "deepnorm.pt")
+    with pytest.raises(TsConfigError, match="needs --source-lang and --target-lang"):
+        import_torchscale(str(tmp_path / "deepnorm.pt"), str(tmp_path / "a.pt"), str(tmp_path))
+    assert not (tmp_path / "a.pt").exists()
+
+
 def test_import_restores_in_fairseq_train(torchscale, lm_data, tmp_path):
     """``fairseq-train --restore-file`` continues from the import with the flags it returns
     (``fairseq-eval-lm`` loads models with ``load_model_ensemble_and_task``, tested above)."""
@@ -146,6 +270,6 @@ def test_import_bad_inputs(torchscale, tmp_path):
     small = data_dir(dictionary(10), tmp_path / "small")
     decoder, cfg = torchscale_decoder(torchscale, d, "none", subln=True)
     src = save_torchscale(decoder, cfg, tmp_path / "ok.pt")
-    with pytest.raises(TsConfigError, match="entries but the embedding"):
+    with pytest.raises(TsConfigError, match="entries but the decoder embedding"):
         import_torchscale(str(src), str(tmp_path / "out.pt"), str(small))
     assert not (tmp_path / "out.pt").exists()
