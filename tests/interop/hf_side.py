@@ -1,6 +1,6 @@
 """The ``transformers`` half of the export checks: export a checkpoint, load the folder, compute
 logits, greedy and beam continuations and token ids (a ``ts_lm``), masked LM logits and encoder
-hidden states (a ``ts_mlm``).
+hidden states (a ``ts_mlm``), translation logits and greedy and beam translations (a ``ts_transformer``).
 
 ``tests/interop/test_hf_export.py`` calls these functions in-process (the installed transformers)
 and through :class:`FloorWorker`, a ``python -m tests.interop.hf_side`` process whose
@@ -12,7 +12,6 @@ numbers, strings, lists and dicts (they cross the process boundary through ``tor
 
 from __future__ import annotations
 
-import math
 import os
 import select
 import subprocess
@@ -98,20 +97,9 @@ def beam(folder: str, prefix: torch.Tensor, total: int, beams: int, pad: int, eo
     ``pad`` never chosen, ``</s>`` not first, score = sum of log-probabilities / length (length
     penalty 1, ``</s>`` counted), done once ``beams`` hypotheses ended. The best hypothesis per
     row of ``prefix``: its tokens after ``</s>`` up to its ``</s>``, and its score."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
-    class Forced(LogitsProcessor):
-        """Keeps only the prefix token (then ``</s>`` at the end) at its log-probability."""
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            step = input_ids.size(1) - 1
-            if step < prefix.size(1):
-                token = prefix[:, step].repeat_interleave(beams).unsqueeze(1)
-            elif step == total:
-                token = torch.full((scores.size(0), 1), eos)
-            else:
-                return scores
-            return torch.full_like(scores, -math.inf).scatter(1, token, scores.gather(1, token))
+    from torchscale_fairseq.interop.hf_translate import forcing, hypotheses
 
     model = load(folder)
     start = torch.full((prefix.size(0), 1), eos)
@@ -119,12 +107,43 @@ def beam(folder: str, prefix: torch.Tensor, total: int, beams: int, pad: int, eo
         out = model.generate(start, max_new_tokens=total + 1, do_sample=False, num_beams=beams, length_penalty=1.0,
                              early_stopping=True, min_new_tokens=0 if prefix.size(1) else 1,
                              bad_words_ids=[[pad]], eos_token_id=eos, pad_token_id=pad,
-                             logits_processor=LogitsProcessorList([Forced()]),
+                             logits_processor=LogitsProcessorList([forcing(prefix, total, beams, eos)]),
                              return_dict_in_generate=True, output_scores=True)
-    hypotheses = []
-    for row in out.sequences[:, 1:].tolist():
-        hypotheses.append(row[:row.index(eos) + 1] if eos in row else row)
-    return {"tokens": hypotheses, "scores": out.sequences_scores}
+    return {"tokens": hypotheses(out.sequences, eos), "scores": out.sequences_scores}
+
+
+def seq2seq(folder: str, source: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """An exported ``ts_transformer``: ``AutoModelForSeq2SeqLM``'s class name, its logits for
+    ``decoder_input_ids`` ``</s>`` + ``target[:, :-1]`` (``labels`` ``target``), its loss and the
+    generation config's search settings; ``AutoModel``'s decoder output (``hidden``) for them."""
+    from transformers import AutoModel, AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    start = torch.full_like(target[:, :1], model.config.decoder_start_token_id)
+    with torch.no_grad():
+        out = model(input_ids=source, labels=target)
+        encoded = base.encoder(source)
+        hidden = base.decoder(torch.cat([start, target[:, :-1]], dim=1), encoded.last_hidden_state,
+                              encoded.attention_mask)[0]
+    settings = {k: getattr(model.generation_config, k) for k in (
+        "decoder_start_token_id", "num_beams", "length_penalty", "early_stopping", "min_new_tokens", "suppress_tokens")}
+    return {"class": type(model).__name__, "logits": out.logits, "loss": out.loss, "generation": settings,
+            "hidden": hidden}
+
+
+def translate(folder: str, source: torch.Tensor, total: int, beams: int) -> dict[str, Any]:
+    """``generate()`` of an exported ``ts_transformer`` on ``source`` (KV cache for self- and
+    cross-attention, reordered between beam steps) as ``hf_translate`` runs it: the folder's generation
+    config (fairseq-generate's search), ``beams`` beams, length penalty 1, ``</s>`` forced as token
+    ``total + 1``. Per row its best hypothesis (tokens up to and with its ``</s>``) and, with beams, its score."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from torchscale_fairseq.interop.hf_translate import translate as hf_translate
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokens, scores = hf_translate(model, source, beams, 1.0, 0.0, total)
+    return {"tokens": tokens, "scores": torch.tensor(scores)}
 
 
 def tokenize(folder: str, texts: list[str]) -> list[dict[str, Any]]:
@@ -137,7 +156,7 @@ def tokenize(folder: str, texts: list[str]) -> list[dict[str, Any]]:
 
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (version, export, forward, masked_lm, greedy, beam, tokenize)
+    f.__name__: f for f in (version, export, forward, masked_lm, greedy, beam, seq2seq, translate, tokenize)
 }
 
 

@@ -34,6 +34,7 @@ from torchscale_fairseq.errors import TsConfigError  # noqa: E402
 from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
 from torchscale_fairseq.models.lm import TsLanguageModel  # noqa: E402
 from torchscale_fairseq.models.mlm import TsMaskedLMModel, ts_mlm_tiny  # noqa: E402
+from torchscale_fairseq.models.transformer import TsTransformerModel, ts_transformer_tiny  # noqa: E402
 
 # every backbone, dense and X-MoE; the options spread over them
 CASES = {
@@ -76,22 +77,55 @@ MLM_CASES = {
                        moe_eval_capacity_factor=0.5),
 }
 
+# the encoder-decoder (ts_transformer_tiny's sizes unless given; the encoder's width is the decoder's, which
+# cross-attention reads); "separate": a source dictionary of its own (32 entries), the target's 48
+MT_CASES = {
+    "magneto-dense": dict(backbone="magneto", activation_fn="swiglu", xpos=True, share_all_embeddings=True),
+    "magneto-moe": dict(backbone="magneto", moe_expert_count=4, moe_freq=1, rel_pos_buckets=8, separate=True,
+                        share_decoder_input_output_embed=False),
+    "deepnorm-dense": dict(backbone="deepnorm", encoder_learned_pos=True, decoder_learned_pos=True, rel_pos_buckets=8,
+                           decoder_layers=3, separate=True),
+    "deepnorm-moe": dict(backbone="deepnorm", moe_expert_count=4, moe_top_k=1, moe_router="linear",
+                         moe_eval_capacity_factor=1.0, activation_fn="relu", share_decoder_input_output_embed=False),
+    "preln-dense": dict(backbone="preln", layernorm_embedding=True, encoder_layers=3, encoder_ffn_embed_dim=96,
+                        encoder_attention_heads=8, decoder_learned_pos=True),
+    "preln-moe": dict(backbone="preln", moe_expert_count=2, xpos=True, no_scale_embedding=True,
+                      share_all_embeddings=True),
+    "postln-dense": dict(backbone="postln", no_token_positional_embeddings=True, rel_pos_buckets=8),
+    "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, encoder_learned_pos=True,
+                       activation_fn="swiglu", moe_eval_capacity_factor=0.5, share_all_embeddings=True),
+}
+
+
+class PairTask:
+    """A translation task's two dictionaries."""
+
+    def __init__(self, source: Dictionary, target: Dictionary) -> None:
+        self.source_dictionary, self.target_dictionary = source, target
+
 
 def build_lm(d: Dictionary, **overrides) -> tuple[TsLanguageModel, object]:
-    return perturbed(TsLanguageModel, model_args(**overrides), d)
+    return perturbed(TsLanguageModel, model_args(**overrides), FakeTask(d))
 
 
 def build_mlm(d: Dictionary, **overrides) -> tuple[TsMaskedLMModel, object]:
     """A ``ts_mlm_tiny`` (its architecture's defaults filled in, as fairseq-train fills them)."""
     a = model_args(**overrides)
     ts_mlm_tiny(a)
-    return perturbed(TsMaskedLMModel, a, d)
+    return perturbed(TsMaskedLMModel, a, FakeTask(d))
 
 
-def perturbed(cls, a, d: Dictionary):
-    """``cls`` built from ``a`` (seed 0), in eval mode, and ``a``."""
+def build_mt(source: Dictionary, target: Dictionary, **overrides) -> tuple[TsTransformerModel, object]:
+    """A ``ts_transformer_tiny`` translating ``source`` ids into ``target`` ids."""
+    a = model_args(**overrides)
+    ts_transformer_tiny(a)
+    return perturbed(TsTransformerModel, a, PairTask(source, target))
+
+
+def perturbed(cls, a, task):
+    """``cls`` built from ``a`` for ``task`` (seed 0), in eval mode, and ``a``."""
     torch.manual_seed(0)
-    model = cls.build_model(a, FakeTask(d))
+    model = cls.build_model(a, task)
     with torch.no_grad():  # non-trivial LayerNorm affines, so a swapped weight/bias shows
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("_layernorm.weight"):
@@ -99,15 +133,16 @@ def perturbed(cls, a, d: Dictionary):
     return model.eval(), a
 
 
-def save_checkpoint(model: TsLanguageModel | TsMaskedLMModel, a, path: Path, data: Path | None = None,
-                    task: str | None = None) -> Path:
+def save_checkpoint(model: TsLanguageModel | TsMaskedLMModel | TsTransformerModel, a, path: Path,
+                    data: Path | None = None, task: str | None = None, **task_options: Any) -> Path:
     """A checkpoint as fairseq-train writes it (``cfg.model`` with the architecture's name); ``task``
-    defaults to ``masked_lm`` / ``language_modeling``."""
-    arch, default = ("ts_mlm_tiny", "masked_lm") if isinstance(model, TsMaskedLMModel) else ("ts_lm_tiny", "language_modeling")
+    defaults to ``masked_lm`` / ``language_modeling`` / ``translation``."""
+    arch, default = {TsMaskedLMModel: ("ts_mlm_tiny", "masked_lm"), TsTransformerModel: ("ts_transformer_tiny", "translation"),
+                     TsLanguageModel: ("ts_lm_tiny", "language_modeling")}[type(model)]
     task = task or default
     cfg = {"model": {**vars(a), "_name": arch}, "common": {"model_parallel_size": 1},
            "checkpoint": {"checkpoint_suffix": ""},
-           "task": {"_name": task, "data": str(data) if data else None}}
+           "task": {"_name": task, "data": str(data) if data else None, **task_options}}
     torch.save({"cfg": cfg, "model": model.state_dict(), "extra_state": {}}, path)
     return path
 
@@ -401,27 +436,55 @@ def nmt_data(tmp_path_factory) -> Path:
 
 def test_spm_tokenizer_gives_prepare_nmt_ids(hf, nmt_data, tmp_path):
     """``prepare_nmt``'s joined dictionary lists the pieces by frequency (not in SentencePiece's order)
-    and pads itself with ``madeupword`` symbols: the tokenizer of its ``spm.model`` gives every raw line
-    of every split and side the ids ``fairseq-preprocess`` binarized."""
+    and pads itself with ``madeupword`` symbols: the tokenizer that ``ts-export-hf`` writes for a
+    ``ts_transformer`` trained on it (its ``spm.model``) gives every raw line of every split and side the
+    ids ``fairseq-preprocess`` binarized (``text </s>``, a translation source)."""
     from fairseq.data import data_utils
 
     from data_prep.prepare_nmt import SPLITS
     from torchscale_fairseq.data.document_encoders import load_sentencepiece
-    from torchscale_fairseq.interop.hf_tokenizer import save_spm_tokenizer
 
     d = Dictionary.load(str(nmt_data / "dict.en.txt"))
     processor = load_sentencepiece(nmt_data / "spm.model")
     assert d.symbols[-1].startswith("madeupword")
     assert any(d.index(processor.id_to_piece(i)) != i + 1 for i in range(3, processor.get_piece_size()))
-    save_spm_tokenizer(d, nmt_data / "spm.model", "mlm", tmp_path / "tok", 64)
+    model, a = build_mt(d, d, share_all_embeddings=True, encoder_layers=1, decoder_layers=1)
+    checkpoint = save_checkpoint(model, a, tmp_path / "c.pt", data=nmt_data, source_lang="en", target_lang="es")
+    assert "tokenizer.json" in hf.export(checkpoint=str(checkpoint), out=str(tmp_path / "hf"))
     raw, binarized = [], []
     for split in SPLITS:
         for lang in ("en", "es"):
             raw += (nmt_data / "raw" / f"{split}.{lang}").read_text().splitlines()
             data = data_utils.load_indexed_dataset(str(nmt_data / f"{split}.en-es.{lang}"), d)
-            binarized += [[d.bos()] + data[i].tolist() for i in range(len(data))]
+            binarized += [data[i].tolist() for i in range(len(data))]
     assert any(d.unk() in ids for ids in binarized)
-    assert [g["ids"] for g in hf.tokenize(folder=str(tmp_path / "tok"), texts=raw)] == binarized
+    assert [g["ids"] for g in hf.tokenize(folder=str(tmp_path / "hf"), texts=raw)] == binarized
+
+
+def test_hf_translate_is_fairseq_generate(nmt_data, tmp_path, capsys):
+    """``python -m torchscale_fairseq.interop.hf_translate`` translates a ``prepare_nmt`` split with the
+    exported model as ``fairseq-generate`` does (its batches, beam 5, ``--lenpen 0.6``, ``--max-len-a`` / ``--max-len-b``),
+    in the output format ``data_prep.score_nmt`` reads, which scores it."""
+    from data_prep import score_nmt
+    from torchscale_fairseq.interop import hf_translate
+
+    d = Dictionary.load(str(nmt_data / "dict.en.txt"))
+    model, a = build_mt(d, d, share_all_embeddings=True, encoder_layers=1, decoder_layers=1)
+    export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"))
+    hf_translate.main(["--folder", str(tmp_path / "hf"), "--data", str(nmt_data), "--subset", "valid",
+                       "--max-len-a", "1.2", "--max-len-b", "3", "--max-tokens", "40", "--lenpen", "0.6"])
+    (tmp_path / "generate.txt").write_text(capsys.readouterr().out)
+    got = score_nmt.read_hypotheses(tmp_path / "generate.txt")
+    gen = SequenceGenerator([model], d, beam_size=5, max_len_a=1.2, max_len_b=3, len_penalty=0.6)
+    expected = {}
+    for ids, source in hf_translate.batches(str(nmt_data), "valid", "en", "es", 40):
+        sample = {"net_input": {"src_tokens": source, "src_lengths": source.ne(d.pad()).sum(1)}}
+        for sent_id, hypos in zip(ids, gen.generate([model], sample)):
+            expected[sent_id] = d.string(hypos[0]["tokens"]).split()
+    assert len(got) == 4 and got == expected
+    score_nmt.main(["--generate-output", str(tmp_path / "generate.txt"), "--spm-model", str(nmt_data / "spm.model"),
+                    "--reference", str(nmt_data / "raw" / "valid.es")])
+    assert capsys.readouterr().out.startswith("bleu ")
 
 
 def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
@@ -467,7 +530,7 @@ def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     state["cfg"]["model"]["_name"] = "transformer_lm"
     torch.save(state, tmp_path / "other.pt")
-    assert "is neither a ts_lm nor a ts_mlm" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
+    assert "is not a ts model" in error(str(tmp_path / "other.pt"), str(tmp_path / "o1"))
     # adaptive options that no ts_lm can have been trained with
     state = torch.load(ckpt, weights_only=False)
     state["cfg"]["model"].update(adaptive_softmax_cutoff="20,40", share_decoder_input_output_embed=False,
@@ -563,23 +626,43 @@ def test_mlm_tensor_parallel_parts_and_expert_shards(tmp_path):
     assert_parts_export_as_single(tmp_path)
 
 
-def test_mlm_bad_inputs_one_line(tmp_path):
-    """``--format gpt2`` and an expert-choice router are refused for a ``ts_mlm`` in one line, nothing
-    written; the exported model refuses an ``attention_mask`` of another shape in one line."""
+def test_transformer_bad_inputs_one_line(tmp_path):
+    """``--format gpt2`` and an expert-choice router are refused for a ``ts_transformer`` in one line,
+    nothing written; a cache that is not an ``EncoderDecoderCache`` is refused in one line."""
     d = dictionary()
-    model, a = build_mlm(d, backbone="preln")
+    folder = assert_export_refusals(lambda **options: build_mt(d, d, **options), "ts_transformer", tmp_path)
+    from transformers import AutoModelForSeq2SeqLM, DynamicCache
+
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(str(folder), trust_remote_code=True)
+    tokens = tokens_of(d, 2, 6, seed=5)
+    with pytest.raises(TypeError, match="^the cache is a DynamicCache, not an EncoderDecoderCache: pass "):
+        loaded(tokens, decoder_input_ids=tokens[:, :1], past_key_values=DynamicCache())
+
+
+def assert_export_refusals(build, arch: str, tmp_path: Path) -> Path:
+    """``--format gpt2`` and an expert-choice router are refused for the ``arch`` models ``build(**options)``
+    makes in one line, nothing written; returns the folder a Pre-LN one is exported to."""
+    model, a = build(backbone="preln")
     ckpt = save_checkpoint(model, a, tmp_path / "c.pt")
-    with pytest.raises(TsConfigError, match="^--format gpt2 exports ts_lm language models only: export a ts_mlm "
+    with pytest.raises(TsConfigError, match=f"^--format gpt2 exports ts_lm language models only: export a {arch} "
                                             "with --format ts$"):
         export_hf(str(ckpt), str(tmp_path / "o1"), fmt="gpt2")
-    routed, b = build_mlm(d, moe_expert_count=2, moe_router="expert_choice")
+    routed, b = build(moe_expert_count=2, moe_router="expert_choice")
     with pytest.raises(TsConfigError, match="^--moe-router expert_choice routes over the whole batch"):
         export_hf(str(save_checkpoint(routed, b, tmp_path / "ec.pt")), str(tmp_path / "o2"))
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
     export_hf(str(ckpt), str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+def test_mlm_bad_inputs_one_line(tmp_path):
+    """``--format gpt2`` and an expert-choice router are refused for a ``ts_mlm`` in one line, nothing
+    written; the exported model refuses an ``attention_mask`` of another shape in one line."""
+    d = dictionary()
+    folder = assert_export_refusals(lambda **options: build_mlm(d, **options), "ts_mlm", tmp_path)
     from transformers import AutoModelForMaskedLM
 
-    loaded = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    loaded = AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True)
     tokens = tokens_of(d, 2, 6, seed=5)
     with pytest.raises(ValueError, match=r"^attention_mask has shape \(2, 5\), input_ids \(2, 6\)$"):
         loaded(tokens, attention_mask=torch.ones(2, 5, dtype=torch.long))
@@ -587,13 +670,15 @@ def test_mlm_bad_inputs_one_line(tmp_path):
 
 def test_model_card_counts(tmp_path):
     """Every folder gets ``README.md`` whose dense and expert parameter counts are those of the loaded
-    model (``AutoModelForCausalLM`` / ``AutoModelForMaskedLM``, tied weights once), naming the architecture,
-    the backbone and the recorded options."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    model (``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` / ``AutoModelForSeq2SeqLM``, tied weights
+    once), naming the architecture, the backbone and the recorded options."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
     d = dictionary()
     builds = {"lm": (build_lm(d, backbone="deepnorm", moe_expert_count=4, moe_freq=1), AutoModelForCausalLM),
-              "mlm": (build_mlm(d, backbone="magneto", moe_expert_count=2, rel_pos_buckets=8), AutoModelForMaskedLM)}
+              "mlm": (build_mlm(d, backbone="magneto", moe_expert_count=2, rel_pos_buckets=8), AutoModelForMaskedLM),
+              "transformer": (build_mt(d, d, backbone="preln", moe_expert_count=2, share_all_embeddings=True),
+                              AutoModelForSeq2SeqLM)}
     for kind, ((model, a), auto) in builds.items():
         folder = tmp_path / f"hf-{kind}"
         assert "README.md" in export_hf(str(save_checkpoint(model, a, tmp_path / f"{kind}.pt")), str(folder))
@@ -605,3 +690,51 @@ def test_model_card_counts(tmp_path):
         assert [int(c.replace(",", "")) for c in counts.groups()] == [total, total - expert, expert]
         assert expert > 0 and f"`ts_{kind}_tiny`" in card and f"backbone `{a.backbone}`" in card
         assert "moe_expert_count = " in card
+
+
+def fairseq_translate(model: TsTransformerModel, d: Dictionary, source: torch.Tensor, total: int,
+                      beam: int) -> list[tuple[list[int], float]]:
+    """fairseq-generate's best hypothesis per row of ``source`` (left-padded, ending with ``</s>``): its
+    tokens up to and with ``</s>``, and its score (beam ``beam``, length penalty 1, ``--max-len-b total``)."""
+    gen = SequenceGenerator([model], d, beam_size=beam, max_len_b=total)
+    sample = {"net_input": {"src_tokens": source, "src_lengths": source.ne(d.pad()).sum(1)}}
+    return [(h[0]["tokens"].tolist(), h[0]["score"].item()) for h in gen.generate([model], sample)]
+
+
+@pytest.mark.parametrize("case", sorted(MT_CASES))
+def test_transformer_export_matches_fairseq(case, hf, tmp_path):
+    """An exported ``ts_transformer`` (``AutoModelForSeq2SeqLM``) computes fairseq's teacher-forced logits
+    (left-padded sources) and loss, its ``AutoModel`` the decoder's output, and ``generate()`` with the
+    folder's generation config finds fairseq-generate's greedy and beam-5 translations and scores, for every
+    backbone, dense and X-MoE, shared and separate embeddings."""
+    options = dict(MT_CASES[case])
+    target = dictionary()
+    source = dictionary(24) if options.pop("separate", False) else target
+    model, a = build_mt(source, target, **options)
+    folder = str(tmp_path / "hf")
+    files = hf.export(checkpoint=str(save_checkpoint(model, a, tmp_path / "checkpoint.pt")), out=folder)
+    assert "generation_config.json" in files and "modeling_ts_transformer.py" in files
+    src = tokens_of(source, 3, 9, seed=1).roll(-1, dims=1)  # ... </s>, as fairseq's translation sources
+    src[1, :3] = source.pad()
+    tgt = tokens_of(target, 3, 7, seed=2).roll(-1, dims=1)
+    prev = tgt.roll(1, dims=1)  # </s> + target[:-1]: fairseq's prev_output_tokens
+    got = hf.seq2seq(folder=folder, source=src, target=tgt)
+    with torch.no_grad():
+        ref = model(src, src.ne(source.pad()).sum(1), prev)[0]
+        features = model.decoder(prev, model.encoder(src, src.ne(source.pad()).sum(1)), features_only=True)[0]
+    assert got["class"] == "TsTransformerForConditionalGeneration" and got["logits"].shape == ref.shape
+    assert (got["logits"] - ref).abs().max().item() < 1e-4
+    assert (got["hidden"] - features).abs().max().item() < 1e-4
+    nll = -torch.log_softmax(ref, dim=-1).gather(-1, tgt[..., None]).mean()
+    assert abs(got["loss"].item() - nll.item()) < 1e-5
+    assert got["generation"] == {"decoder_start_token_id": target.eos(), "num_beams": 5, "length_penalty": 1.0,
+                                 "early_stopping": True, "min_new_tokens": 1, "suppress_tokens": [target.pad()]}
+
+    # with a capacity the routing depends on the batch, from which fairseq drops finished rows: one row
+    rows = src[:1] if options.get("moe_eval_capacity_factor", 0) > 0 else src
+    for beam in (1, 5):
+        expected = fairseq_translate(model, target, rows, total=10, beam=beam)
+        out = hf.translate(folder=folder, source=rows, total=10, beams=beam)
+        assert out["tokens"] == [tokens for tokens, _ in expected]
+        if beam > 1:
+            assert torch.allclose(out["scores"], torch.tensor([score for _, score in expected]), atol=1e-4)

@@ -1,4 +1,4 @@
-"""``ts-export-hf CHECKPOINT OUT_DIR``: a ``ts_lm`` or ``ts_mlm`` checkpoint (any layout: one file,
+"""``ts-export-hf CHECKPOINT OUT_DIR``: a ``ts_lm``, ``ts_mlm`` or ``ts_transformer`` checkpoint (any layout: one file,
 ``-model_part-K`` parts, ``-shardR`` expert shards) as a Hugging Face ``transformers`` folder
 (see :mod:`torchscale_fairseq.interop.hf_export`). Needs ``pip install -e .[export]``."""
 
@@ -16,8 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="checkpoint name, e.g. checkpoints/checkpoint_best.pt")
     parser.add_argument("out_dir", help="new folder to write (must not exist)")
     parser.add_argument("--format", default="ts",
-                        help="ts (remote code, every ts_lm and ts_mlm) or gpt2 (native GPT2LMHeadModel)")
-    parser.add_argument("--dict", default=None, help="the model's dict.txt (default: DATA/dict.txt of the checkpoint)")
+                        help="ts (remote code, every ts_lm, ts_mlm and ts_transformer) or gpt2 (native GPT2LMHeadModel)")
+    parser.add_argument("--dict", default=None,
+                        help="the model's (target) dictionary (default: the checkpoint's DATA/dict.txt, or "
+                        "DATA/dict.TGT.txt for a ts_transformer)")
     parser.add_argument("--spm-model", default=None,
                         help="SentencePiece model of the data, for the tokenizer (default: the task's, or DATA/spm.model)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")

@@ -12,7 +12,9 @@ from fairseq.data import Dictionary
 from torchscale_fairseq.architecture.config import StackConfig
 
 WHAT = {"lm": "A decoder-only causal language model (`ts_lm`)",
-        "mlm": "A bidirectional encoder with a BERT masked-LM head (`ts_mlm`)"}
+        "mlm": "A bidirectional encoder with a BERT masked-LM head (`ts_mlm`)",
+        "mt": "An encoder-decoder translation model (`ts_transformer`)"}
+TAGS = {"lm": "causal-lm", "mlm": "masked-lm", "mt": "translation"}
 
 
 def parameter_counts(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -49,13 +51,13 @@ def _ids(dictionary: Dictionary | None, vocab: int, tokenizer: str | None, kind:
         specials = ", ".join(f"`{s}`={dictionary.index(s)}" for s in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
                              if s in dictionary.indices)
         ids = f"Token ids are the fairseq dictionary's: {len(dictionary)} entries, {specials}."
-    first = "`</s>`" if kind == "lm" else "`<s>`"
+    frame = {"lm": "started with `</s>` as a fairseq LM is fed", "mlm": "framed as `<s> text </s>`",
+             "mt": "ended with `</s>` as fairseq's translation sources are"}[kind]
     if tokenizer is not None:
         what = "byte-level BPE (GPT-2 id + 4)" if tokenizer == "GPT-2" else "model of the training data"
-        frame = "started with `</s>` as a fairseq LM is fed" if kind == "lm" else "framed as `<s> text </s>`"
         return ids + f" `tokenizer.json`: the {tokenizer} {what} giving these ids, each text {frame}."
-    return ids + (f" No tokenizer: encode text as the training data was encoded (its BPE), map the pieces to "
-                  f"ids with `dict.txt`, and start each sample with {first}.")
+    return ids + (" No tokenizer: encode text as the training data was encoded (its BPE), map the pieces to "
+                  f"ids with the fairseq dictionary, each sample {frame}.")
 
 
 def _load(kind: str, fmt: str) -> str:
@@ -65,27 +67,34 @@ def _load(kind: str, fmt: str) -> str:
         return ('from transformers import AutoModelForCausalLM\n'
                 'model = AutoModelForCausalLM.from_pretrained("FOLDER", trust_remote_code=True)\n'
                 'out = model.generate(input_ids, max_new_tokens=20, do_sample=False)')
+    if kind == "mt":
+        return ('from transformers import AutoModelForSeq2SeqLM\n'
+                'model = AutoModelForSeq2SeqLM.from_pretrained("FOLDER", trust_remote_code=True)\n'
+                'out = model.generate(input_ids)  # fairseq-generate\'s defaults: beam 5, length penalty 1')
     return ('from transformers import AutoModel, AutoModelForMaskedLM\n'
             'mlm = AutoModelForMaskedLM.from_pretrained("FOLDER", trust_remote_code=True)  # .logits\n'
             'encoder = AutoModel.from_pretrained("FOLDER", trust_remote_code=True)  # .last_hidden_state')
 
 
 def model_card(kind: str, fmt: str, cfg: StackConfig, tensors: dict[str, torch.Tensor], recorded: dict[str, Any],
-               task: str | None, dictionary: Dictionary | None, vocab: int, tokenizer: str | None) -> str:
-    """The ``README.md`` text of a folder exported from a ``kind`` (``lm`` / ``mlm``) checkpoint;
-    ``recorded``: its ``cfg.model`` as saved, ``task``: its task's name, ``vocab``: its embedding's rows,
-    ``tokenizer``: the tokenizer written (``GPT-2`` / ``SentencePiece``), ``None`` if none."""
+               task: str | None, dictionary: Dictionary | None, vocab: int, tokenizer: str | None,
+               encoder: StackConfig | None = None) -> str:
+    """The ``README.md`` text of a folder exported from a ``kind`` (``lm`` / ``mlm`` / ``mt``) checkpoint;
+    ``recorded``: its ``cfg.model`` as saved, ``task``: its task's name, ``vocab``: its (output) embedding's
+    rows, ``tokenizer``: the tokenizer written (``GPT-2`` / ``SentencePiece``), ``None`` if none;
+    ``encoder``: an encoder-decoder's encoder (``cfg`` is then its decoder)."""
     dense, expert = parameter_counts(tensors)
     arch = recorded.get("arch") or recorded.get("_name")
+    stacks = _stack(cfg) if encoder is None else f"Encoder: {_stack(encoder)} Decoder: {_stack(cfg)}"
     options = "\n".join(f"{k} = {v!r}" for k, v in sorted(recorded.items()) if v is not None and not k.startswith("_"))
     return f"""---
 library_name: transformers
-tags: [torchscale-fairseq, {"causal-lm" if kind == "lm" else "masked-lm"}]
+tags: [torchscale-fairseq, {TAGS[kind]}]
 ---
 
 # `{arch}`, exported from torchscale-fairseq
 
-**Architecture.** {WHAT[kind]}, exported by `ts-export-hf --format {fmt}`: {_stack(cfg)}
+**Architecture.** {WHAT[kind]}, exported by `ts-export-hf --format {fmt}`: {stacks}
 
 **Parameters.** {dense + expert:,} in all: {dense:,} dense, {expert:,} in experts (counted over the
 exported tensors; a tied embedding once).

@@ -1,7 +1,7 @@
-"""Export a ``ts_lm`` or ``ts_mlm`` checkpoint to a Hugging Face ``transformers`` folder.
+"""Export a ``ts_lm``, ``ts_mlm`` or ``ts_transformer`` checkpoint to a Hugging Face ``transformers`` folder.
 
 Two formats:
-- ``ts`` (every ``ts_lm`` and ``ts_mlm``): ``config.json`` (``auto_map`` to the modeling code in the
+- ``ts`` (every ``ts_lm``, ``ts_mlm`` and ``ts_transformer``): ``config.json`` (``auto_map`` to the modeling code in the
   folder), ``model.safetensors`` (or shards plus ``model.safetensors.index.json`` above
   ``max_shard_size``), ``configuration_ts_lm.py`` / ``modeling_ts_lm.py`` (self-contained,
   :mod:`torchscale_fairseq.interop.hf_modeling`; a ``ts_mlm`` adds ``configuration_ts_mlm.py`` /
@@ -11,7 +11,12 @@ Two formats:
   -> ``lm_head``; an adaptive softmax's copies of tied adaptive input weights are written once, as
   the input's. A ``ts_mlm`` is an ``AutoModelForMaskedLM`` (its encoder an ``AutoModel``):
   ``encoder.encoder.`` -> ``model.``, ``encoder.lm_head_bias`` -> ``lm_head.bias`` (the weight is
-  the tied token embedding), ``encoder.lm_head_*`` -> ``lm_head_*``.
+  the tied token embedding), ``encoder.lm_head_*`` -> ``lm_head_*``. A ``ts_transformer`` is an
+  ``AutoModelForSeq2SeqLM`` (``configuration_ts_transformer.py`` / ``modeling_ts_transformer.py``
+  import the other four): ``encoder.`` / ``decoder.`` -> ``model.encoder.`` / ``model.decoder.``
+  (without ``embed.``), ``decoder.output_projection`` -> ``lm_head``, the decoder's copy of a
+  ``--share-all-embeddings`` table not written; its ``generation_config.json`` is fairseq-generate's
+  search (:func:`generation_config`).
 - ``gpt2``: a native ``GPT2LMHeadModel`` when the math is GPT-2's: ``--backbone preln``, dense,
   learned positions, gelu or relu, no embedding LayerNorm, no relative positions or xPos, and
   the embedding scale 1 (``--no-scale-embedding``) unless the output embedding is untied
@@ -25,8 +30,9 @@ model's (``--spm-model``, else the one the checkpoint's ``streaming_mlm`` task n
 ``streaming_mlm`` checkpoint's dictionary is derived from it, as the task derives it), and, for a
 ``ts_lm``, the GPT-2 BPE dictionary of ``data_prep.prepare_lm`` (fairseq id = GPT-2 id + 4). A
 ``ts_lm``'s texts start with ``</s>``, the token a fairseq LM is fed first; a ``ts_mlm``'s are
-``<s> text </s>``. Every folder gets a model card, ``README.md``
-(:mod:`.hf_card`); the output folder is new, so no file of the user's is ever overwritten.
+``<s> text </s>``; a ``ts_transformer``'s (one joined dictionary, as ``prepare_nmt`` makes: its target
+dictionary ``dict.TGT.txt``) ``text </s>``, a source as fairseq's translation task reads it. Every folder gets a model card,
+``README.md`` (:mod:`.hf_card`); the output folder is new, so no file of the user's is ever overwritten.
 """
 
 from __future__ import annotations
@@ -51,13 +57,19 @@ from torchscale_fairseq.interop.checkpoint_files import load_single_process_stat
 from torchscale_fairseq.models.config import validate_common
 from torchscale_fairseq.models.lm import TsLanguageModel, check_adaptive, parse_cutoffs
 from torchscale_fairseq.models.mlm import TsMaskedLMModel
+from torchscale_fairseq.models.transformer import TsTransformerModel
 
 MODELING_DIR = Path(__file__).parent / "hf_modeling"
-KINDS = {TsLanguageModel: "lm", TsMaskedLMModel: "mlm"}
+KINDS = {TsLanguageModel: "lm", TsMaskedLMModel: "mlm", TsTransformerModel: "mt"}
+ARCHS = {"lm": "ts_lm", "mlm": "ts_mlm", "mt": "ts_transformer"}
 LM_FILES = ("configuration_ts_lm.py", "modeling_ts_lm.py")
-MODELING_FILES = {"lm": LM_FILES, "mlm": LM_FILES + ("configuration_ts_mlm.py", "modeling_ts_mlm.py")}
-# per kind: the fairseq stack's parameter prefix and StackConfig sides
-STACKS = {"lm": ("decoder.", "decoder", "decoder_only"), "mlm": ("encoder.encoder.", "encoder", "encoder_only")}
+MLM_FILES = LM_FILES + ("configuration_ts_mlm.py", "modeling_ts_mlm.py")
+MODELING_FILES = {"lm": LM_FILES, "mlm": MLM_FILES,
+                  "mt": MLM_FILES + ("configuration_ts_transformer.py", "modeling_ts_transformer.py")}
+# per kind: the fairseq stack's parameter prefix and StackConfig sides (an encoder-decoder's: its decoder's)
+STACKS = {"lm": ("decoder.", "decoder", "decoder_only"), "mlm": ("encoder.encoder.", "encoder", "encoder_only"),
+          "mt": ("decoder.", "decoder", "encdec_decoder")}
+ENCODER_STACK = ("encoder", "encdec_encoder")  # StackConfig sides of an encoder-decoder's encoder
 # per kind: the class config.json names (``architectures``) and its ``auto_map``
 AUTO_MAPS = {
     "lm": ("TsLMForCausalLM", {"AutoConfig": "configuration_ts_lm.TsLMConfig",
@@ -65,6 +77,10 @@ AUTO_MAPS = {
     "mlm": ("TsMLMForMaskedLM", {"AutoConfig": "configuration_ts_mlm.TsMLMConfig",
                                  "AutoModel": "modeling_ts_mlm.TsMLMModel",
                                  "AutoModelForMaskedLM": "modeling_ts_mlm.TsMLMForMaskedLM"}),
+    "mt": ("TsTransformerForConditionalGeneration",
+           {"AutoConfig": "configuration_ts_transformer.TsTransformerConfig",
+            "AutoModel": "modeling_ts_transformer.TsTransformerModel",
+            "AutoModelForSeq2SeqLM": "modeling_ts_transformer.TsTransformerForConditionalGeneration"}),
 }
 FORMATS = ("ts", "gpt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,14 +110,14 @@ def recorded_task(state: dict[str, Any]) -> str | None:
 
 
 def model_args(state: dict[str, Any]) -> tuple[str, argparse.Namespace]:
-    """The model's kind (``lm`` / ``mlm``) and fairseq args (:func:`recorded_model_options`) with its
+    """The model's kind (``lm`` / ``mlm`` / ``mt``) and fairseq args (:func:`recorded_model_options`) with its
     architecture's defaults."""
     fields = recorded_model_options(state)
     arch = fields.get("arch") or fields.get("_name")
     kind = KINDS.get(ARCH_MODEL_REGISTRY.get(arch))
     if kind is None:
-        raise TsConfigError(f"architecture {arch!r} is neither a ts_lm nor a ts_mlm: ts-export-hf exports ts_lm_* "
-                            "language models and ts_mlm_* masked LMs (ts_transformer is not supported yet)")
+        raise TsConfigError(f"architecture {arch!r} is not a ts model: ts-export-hf exports ts_lm_* language models, "
+                            "ts_mlm_* masked LMs and ts_transformer_* encoder-decoders")
     args = argparse.Namespace(**fields)
     ARCH_CONFIG_REGISTRY[arch](args)
     if kind == "lm":
@@ -119,15 +135,23 @@ def _data_file(state: dict[str, Any], name: str) -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
-def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None) -> Dictionary | None:
-    """``dict_path``, else ``dict.txt`` of the data directory the checkpoint was trained on, if present."""
+def checkpoint_dictionary(state: dict[str, Any], dict_path: str | None, kind: str = "lm") -> Dictionary | None:
+    """``dict_path``, else the dictionary in the data directory the checkpoint was trained on, if present:
+    ``dict.txt``, or a translation model's target dictionary ``dict.{target_lang}.txt``."""
     if dict_path is None:
-        dict_path = _data_file(state, "dict.txt")
+        dict_path = _data_file(state, f"dict.{_task_option(state, 'target_lang')}.txt" if kind == "mt" else "dict.txt")
         if dict_path is None:
             return None
     if not os.path.isfile(dict_path):
         raise TsConfigError(f"dictionary {dict_path} does not exist: pass the dict.txt the model was trained with")
     return Dictionary.load(dict_path)
+
+
+def joined_dictionary(state: dict[str, Any], dictionary: Dictionary) -> bool:
+    """Whether a translation model's source dictionary (``dict.{source_lang}.txt`` of its data directory)
+    is its target ``dictionary`` (``fairseq-preprocess --joined-dictionary``)."""
+    path = _data_file(state, f"dict.{_task_option(state, 'source_lang')}.txt")
+    return path is not None and Dictionary.load(path).symbols == dictionary.symbols
 
 
 def checkpoint_spm_model(state: dict[str, Any], spm_model: str | None) -> Path | None:
@@ -153,6 +177,17 @@ def _mlm_name(name: str) -> str | None:
     return "model." + rest[len("encoder."):].removeprefix("embed.")
 
 
+def _mt_name(name: str, share_all: bool) -> str | None:
+    """The exported name of ``ts_transformer`` parameter ``name`` (``None``: not exported: the decoder's
+    copy of a shared embedding)."""
+    side, _, rest = name.partition(".")
+    if side not in ("encoder", "decoder") or (share_all and name == "decoder.embed.embed_tokens.weight"):
+        return None
+    if name == "decoder.output_projection.weight":
+        return "lm_head.weight"
+    return f"model.{side}." + rest.removeprefix("embed.")
+
+
 def _hf_name(name: str, args: argparse.Namespace, kind: str) -> str | None:
     """The exported name of fairseq parameter ``name`` (``None``: not exported: buffers, the
     training-only noise projection, and the adaptive softmax's copies of tied adaptive input weights)."""
@@ -160,6 +195,8 @@ def _hf_name(name: str, args: argparse.Namespace, kind: str) -> str | None:
         return None
     if kind == "mlm":
         return _mlm_name(name)
+    if kind == "mt":
+        return _mt_name(name, bool(getattr(args, "share_all_embeddings", False)))
     if (not name.startswith("decoder.") or name == "decoder.adaptive_softmax.head.word_proj.weight"
             or (args.tie_adaptive_weights and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.2\.weight", name))
             or (args.tie_adaptive_proj and re.fullmatch(r"decoder\.adaptive_softmax\.tail\.\d+\.0\.weight", name))):
@@ -252,19 +289,26 @@ def gpt2_tensors(weights: dict[str, torch.Tensor], cfg: StackConfig, pad: int) -
     return out
 
 
+def stack_options(cfg: StackConfig, vocab: int) -> dict[str, Any]:
+    """The :class:`TsLMConfig` options in which the two stacks of an encoder-decoder may differ."""
+    return dict(vocab_size=vocab, hidden_size=cfg.embed_dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.attention_heads, residual_alpha=cfg.backbone.alpha, positions=cfg.positions,
+                max_position_embeddings=cfg.max_positions,
+                embed_scale=math.sqrt(cfg.embed_dim) if cfg.scale_embedding else 1.0)
+
+
 def ts_config(cfg: StackConfig, vocab: int, tied: bool, specials: dict[str, int], extra: dict[str, Any],
               kind: str = "lm"):
-    """The ``TsLMConfig`` (``kind`` ``lm``) or ``TsMLMConfig`` (``mlm``) of ``cfg``; ``extra``: the
-    kind's own options (adaptive input / softmax; ``mask_token_id``)."""
+    """The ``TsLMConfig`` (``kind`` ``lm``), ``TsMLMConfig`` (``mlm``) or ``TsTransformerConfig`` (``mt``:
+    ``cfg`` is the decoder's) of ``cfg``; ``extra``: the kind's own options (adaptive input / softmax;
+    ``mask_token_id``; the encoder's options)."""
     from torchscale_fairseq.interop.hf_modeling.configuration_ts_lm import TsLMConfig
     from torchscale_fairseq.interop.hf_modeling.configuration_ts_mlm import TsMLMConfig
+    from torchscale_fairseq.interop.hf_modeling.configuration_ts_transformer import TsTransformerConfig
 
     moe = cfg.moe
-    config = (TsLMConfig if kind == "lm" else TsMLMConfig)(
-        vocab_size=vocab, hidden_size=cfg.embed_dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.attention_heads, backbone=cfg.backbone.name, residual_alpha=cfg.backbone.alpha,
-        activation=cfg.activation, positions=cfg.positions, max_position_embeddings=cfg.max_positions,
-        embed_scale=math.sqrt(cfg.embed_dim) if cfg.scale_embedding else 1.0,
+    config = {"lm": TsLMConfig, "mlm": TsMLMConfig, "mt": TsTransformerConfig}[kind](
+        **stack_options(cfg, vocab), backbone=cfg.backbone.name, activation=cfg.activation,
         layernorm_embedding=cfg.layernorm_embedding, layer_norm_eps=cfg.layernorm_eps,
         rel_pos_buckets=cfg.rel_pos_buckets, max_rel_pos=cfg.max_rel_pos, xpos=cfg.xpos,
         dropout=cfg.dropout, attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
@@ -346,6 +390,20 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
             )
 
 
+def generation_config(cfg: StackConfig, specials: dict[str, int]):
+    """fairseq-generate's search as ``generate()``'s defaults: from ``</s>``, beam 5, length penalty 1,
+    done once 5 hypotheses ended, ``</s>`` not first, ``<pad>`` never, at most 200 tokens (``--max-len-b``)
+    before ``</s>``."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        decoder_start_token_id=specials["eos_token_id"], bos_token_id=specials["bos_token_id"],
+        eos_token_id=specials["eos_token_id"], pad_token_id=specials["pad_token_id"], num_beams=5, length_penalty=1.0,
+        early_stopping=True, min_new_tokens=1, suppress_tokens=[specials["pad_token_id"]],
+        max_new_tokens=min(200, cfg.max_positions - 1) + 1,
+    )
+
+
 def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | None = None,
               max_shard_size: str = "5GB", dtype: str | None = None, spm_model: str | None = None) -> list[str]:
     """Write the export of ``checkpoint`` to the new folder ``out_dir``; returns the files written."""
@@ -364,12 +422,12 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     state = load_single_process_state(checkpoint)
     kind, args = model_args(state)
     if fmt == "gpt2" and kind != "lm":
-        raise TsConfigError("--format gpt2 exports ts_lm language models only: export a ts_mlm with --format ts")
+        raise TsConfigError(f"--format gpt2 exports ts_lm language models only: export a {ARCHS[kind]} with --format ts")
     cfg = StackConfig.from_args(args, *STACKS[kind][1:])
     weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     _check_experts(weights, cfg)
     vocab = vocab_size(weights, kind)
-    dictionary = checkpoint_dictionary(state, dict_path)
+    dictionary = checkpoint_dictionary(state, dict_path, kind)
     spm_path = checkpoint_spm_model(state, spm_model)
     if dictionary is None and spm_path is not None and recorded_task(state) == "streaming_mlm":
         dictionary = sentencepiece_dictionary(load_sentencepiece(spm_path))
@@ -381,11 +439,19 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     pad = dictionary.pad() if dictionary is not None else 1
     eos = dictionary.eos() if dictionary is not None else 2
     specials = {"pad_token_id": pad, "eos_token_id": eos, "bos_token_id": eos}
+    encoder = None
     if kind == "mlm":  # fairseq's masked_lm task starts each sample with <s> and masks with <mask>
         mask = dictionary.index(MASK_SYMBOL) if dictionary is not None and MASK_SYMBOL in dictionary.indices else None
         specials["bos_token_id"] = dictionary.bos() if dictionary is not None else 0
         tensors = ts_tensors(weights, args, kind)
         config = ts_config(cfg, vocab, True, specials, {"mask_token_id": mask}, kind)
+    elif kind == "mt":
+        encoder = StackConfig.from_args(args, *ENCODER_STACK)
+        extra = {"encoder_stack": stack_options(encoder, weights["encoder.embed.embed_tokens.weight"].size(0)),
+                 "share_all_embeddings": bool(getattr(args, "share_all_embeddings", False)),
+                 "decoder_start_token_id": eos}
+        tensors = ts_tensors(weights, args, kind)
+        config = ts_config(cfg, vocab, "decoder.output_projection.weight" not in weights, specials, extra, kind)
     else:
         adaptive = adaptive_options(args, vocab)
         tied = "decoder.output_projection.weight" not in weights and adaptive["adaptive_softmax_cutoff"] is None
@@ -408,19 +474,22 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
         written = save_safetensors(tensors, staging, max_bytes)
         config.save_pretrained(str(staging))
         written.append("config.json")
+        if kind == "mt":
+            generation_config(cfg, specials).save_pretrained(str(staging))
+            written.append("generation_config.json")
         if fmt == "ts":
             for name in MODELING_FILES[kind]:
                 shutil.copyfile(MODELING_DIR / name, staging / name)
             written.extend(MODELING_FILES[kind])
         tokenizer = None
-        if dictionary is not None and spm_path is not None:
+        if dictionary is not None and spm_path is not None and (kind != "mt" or joined_dictionary(state, dictionary)):
             tokenizer = "SentencePiece"
             written.extend(save_spm_tokenizer(dictionary, spm_path, kind, staging, cfg.max_positions))
         elif kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary):
             tokenizer = "GPT-2"
             written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))
         card = model_card(kind, fmt, cfg, tensors, recorded_model_options(state), recorded_task(state), dictionary,
-                          vocab, tokenizer)
+                          vocab, tokenizer, encoder)
         (staging / "README.md").write_text(card)
         written.append("README.md")
         if out.exists():

@@ -110,7 +110,8 @@ def save_gpt2_tokenizer(dictionary: Dictionary, out: Path, max_length: int) -> l
 
 def _save(backend: Any, dictionary: Dictionary, specials: list[str] | tuple[str, ...], kind: str, out: Path,
           max_length: int) -> list[str]:
-    """Add the ``kind``'s framing (``</s> text`` for an LM, ``<s> text </s>`` for a masked LM) and the
+    """Add the ``kind``'s framing (``</s> text`` for an LM, ``<s> text </s>`` for a masked LM, ``text </s>``
+    for a translation model's source) and the
     special tokens to the ``tokenizers`` object ``backend``; save it as a transformers tokenizer into ``out``."""
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
@@ -118,6 +119,8 @@ def _save(backend: Any, dictionary: Dictionary, specials: list[str] | tuple[str,
     bos, eos = dictionary.bos_word, dictionary.eos_word
     if kind == "lm":
         single, pair, bos = f"{eos} $A", f"{eos} $A $B", eos
+    elif kind == "mt":
+        single, pair = f"$A {eos}", f"$A {eos} $B {eos}"
     else:
         single, pair = f"{bos} $A {eos}", f"{bos} $A {eos} $B {eos}"
     backend.post_processor = processors.TemplateProcessing(

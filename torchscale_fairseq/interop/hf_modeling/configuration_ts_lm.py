@@ -34,11 +34,13 @@ class TsLMConfig(PretrainedConfig):
     rows and the tail bands' outputs are the adaptive input's band embeddings;
     ``tie_adaptive_proj``: the tail projections are its band projections, transposed.
 
-    ``causal`` (a class attribute, not saved): queries attend to earlier tokens only.
+    ``causal`` (a class attribute, not saved): queries attend to earlier tokens only;
+    ``cross_attention`` (also): every layer attends to an encoder's output after its self-attention.
     """
 
     model_type = "ts_lm"
     causal = True
+    cross_attention = False
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(

@@ -11,6 +11,8 @@ Input: ``embed_scale * E[token] + P[position]`` with fairseq's positions (``pad 
 real tokens before``), optional LayerNorm. ``E`` may be an adaptive input and ``lm_head`` an
 adaptive softmax (then the logits are log-probabilities). Keys and values are cached per layer
 (a ``transformers`` ``Cache``, passed as ``cache`` or ``past_key_values``) for ``generate()``.
+With ``config.cross_attention`` (an encoder-decoder's decoder, ``modeling_ts_transformer.py``) every
+layer also attends to the encoder output after its self-attention (:class:`TsCrossAttention`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_ts_lm import TsLMConfig
+
 
 # transformers 5.24 renamed the cache of every model from ``past_key_values`` to ``cache``: generate()
 # passes ``cache=`` to forward() (prepare_inputs_for_generation) and reads the output's ``cache``
@@ -34,8 +37,12 @@ from .configuration_ts_lm import TsLMConfig
 # ``past_key_values`` all three). A forward() that only took ``past_key_values`` got no cache from 5.24's
 # generate(), started an empty one at every step and attended to the newest token only. forward() takes
 # either name, and the output carries the cache in the field the installed CausalLMOutputWithPast declares.
-CACHE_FIELD = ("cache" if any(f.name == "cache" for f in dataclasses.fields(CausalLMOutputWithPast))
-               else "past_key_values")
+def cache_field(output_class: type) -> str:
+    """The name under which the installed ``transformers``' ``output_class`` carries the cache."""
+    return "cache" if any(f.name == "cache" for f in dataclasses.fields(output_class)) else "past_key_values"
+
+
+CACHE_FIELD = cache_field(CausalLMOutputWithPast)
 
 
 def given_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
@@ -112,36 +119,86 @@ def xpos_rotate(x: torch.Tensor, offset: int, scale_base: float, downscale: bool
     return x * cos + rotated * sin
 
 
-class TsAttention(nn.Module):
-    """Self-attention with a fused ``[q; k; v]`` projection, causal when ``config.causal``."""
+class TsAttentionBase(nn.Module):
+    """Heads, attention, Sub-LN (Magneto) and the output projection shared by self- and cross-attention."""
 
     def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.causal = config.causal
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.dropout = config.attention_dropout
-        self.xpos_scale_base = config.xpos_scale_base if config.xpos else None
-        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.inner_attn_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.subln else None
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[Cache], past: int) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        """``(B, T, parts * d)`` -> ``parts`` tensors ``(B, h, T, d / h)``."""
         b, t, _ = x.shape
-        q, k, v = (y.transpose(1, 2) for y in self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(2))
-        if self.xpos_scale_base is not None:
-            q = xpos_rotate(q, past, self.xpos_scale_base, downscale=False)
-            k = xpos_rotate(k, past, self.xpos_scale_base, downscale=True)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        is_causal = self.causal and mask is None and t > 1 and t == k.size(2)
+        return tuple(y.transpose(1, 2) for y in x.view(b, t, parts, self.num_heads, self.head_dim).unbind(2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               is_causal: bool) -> torch.Tensor:
+        """``out_proj(LN(softmax(q k^T / sqrt(d) + mask) v))`` over the concatenated heads (LN: Magneto only)."""
+        b, _, t, _ = q.shape
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              dropout_p=self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.inner_attn_ln is not None:
             out = self.inner_attn_ln(out)
         return self.out_proj(out)
+
+
+class TsAttention(TsAttentionBase):
+    """Self-attention with a fused ``[q; k; v]`` projection, causal when ``config.causal``."""
+
+    def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.causal = config.causal
+        self.xpos_scale_base = config.xpos_scale_base if config.xpos else None
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[Cache], past: int) -> torch.Tensor:
+        q, k, v = self.heads(self.qkv_proj(x), 3)
+        if self.xpos_scale_base is not None:
+            q = xpos_rotate(q, past, self.xpos_scale_base, downscale=False)
+            k = xpos_rotate(k, past, self.xpos_scale_base, downscale=True)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        t = q.size(2)
+        return self.attend(q, k, v, mask, self.causal and mask is None and t > 1 and t == k.size(2))
+
+
+@dataclasses.dataclass
+class TsMemory:
+    """What cross-attention reads: the encoder output ``states`` ``(B, S, d)``, its key mask ``mask``
+    (boolean ``(B, 1, 1, S)``, True = a real token; ``None``: no padding) and the ``EncoderDecoderCache``
+    (``None``: no cache) whose cross-attention keys and values are computed once, at the first step."""
+
+    states: torch.Tensor
+    mask: Optional[torch.Tensor]
+    cache: Optional[EncoderDecoderCache]
+
+
+class TsCrossAttention(TsAttentionBase):
+    """The decoder's attention over the encoder output: ``q_proj`` on the queries, fused ``[k; v]``
+    ``kv_proj`` on the encoder output (no relative positions, no xPos, as fairseq)."""
+
+    def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.kv_proj = nn.Linear(config.hidden_size, 2 * config.hidden_size)
+
+    def forward(self, x: torch.Tensor, memory: TsMemory) -> torch.Tensor:
+        cache = memory.cache
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            k, v = layer.keys, layer.values
+        else:
+            k, v = self.heads(self.kv_proj(memory.states), 2)
+            if cache is not None:
+                k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+        return self.attend(self.heads(self.q_proj(x), 1)[0], k, v, memory.mask, False)
 
 
 class TsFeedForward(nn.Module):
@@ -259,6 +316,8 @@ class TsMoE(nn.Module):
 
 
 class TsLayer(nn.Module):
+    """Self-attention, cross-attention (``config.cross_attention``: an encoder-decoder's decoder), FFN / MoE."""
+
     def __init__(self, config: TsLMConfig, layer_idx: int) -> None:
         super().__init__()
         self.normalize_before = config.normalize_before
@@ -266,6 +325,9 @@ class TsLayer(nn.Module):
         self.dropout = config.dropout
         self.self_attn = TsAttention(config, layer_idx)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.cross_attn = TsCrossAttention(config, layer_idx) if config.cross_attention else None
+        if self.cross_attn is not None:
+            self.cross_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.ffn = TsMoE(config) if config.is_moe_layer(layer_idx) else TsFeedForward(config)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
@@ -275,8 +337,10 @@ class TsLayer(nn.Module):
         return norm(x * self.alpha + F.dropout(fn(x), self.dropout, self.training))
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], keep: Optional[torch.Tensor],
-                cache: Optional[Cache], past: int) -> torch.Tensor:
+                cache: Optional[Cache], past: int, memory: Optional[TsMemory] = None) -> torch.Tensor:
         x = self.sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, mask, cache, past))
+        if self.cross_attn is not None:
+            x = self.sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(h, memory))
         return self.sublayer(x, self.final_layer_norm, lambda h: self.ffn(h, keep))
 
 
@@ -447,6 +511,23 @@ class TsLMModel(TsLMPreTrainedModel):
             return allowed
         return bias.masked_fill(~allowed, float("-inf"))
 
+    def run(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor], cache: Optional[Cache],
+            memory: Optional[TsMemory] = None) -> torch.Tensor:
+        """Hidden states after the last layer (and final LayerNorm) of ``input_ids`` following the
+        ``cache``'s tokens (``None``: no cache; else updated in place); ``memory``: cross-attention's."""
+        t = input_ids.size(1)
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and attention_mask.size(1) != past + t:
+            raise ValueError(f"attention_mask covers {attention_mask.size(1)} tokens, expected {past + t}")
+        x = self.embed(input_ids, attention_mask, past)
+        mask = self.attention_mask_4d(attention_mask, t, past + t, past, x.dtype, x.device)
+        keep = attention_mask[:, -t:].bool() if attention_mask is not None and past == 0 else None
+        for layer in self.layers:
+            x = layer(x, mask, keep, cache, past, memory)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return x
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -462,18 +543,8 @@ class TsLMModel(TsLMPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        t = input_ids.size(1)
-        past = cache.get_seq_length() if cache is not None else 0
-        if attention_mask is not None and attention_mask.size(1) != past + t:
-            raise ValueError(f"attention_mask covers {attention_mask.size(1)} tokens, expected {past + t}")
-        x = self.embed(input_ids, attention_mask, past)
-        mask = self.attention_mask_4d(attention_mask, t, past + t, past, x.dtype, x.device)
-        keep = attention_mask[:, -t:].bool() if attention_mask is not None and past == 0 else None
-        for layer in self.layers:
-            x = layer(x, mask, keep, cache if use_cache else None, past)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        return x, cache if use_cache else None
+        cache = cache if use_cache else None
+        return self.run(input_ids, attention_mask, cache), cache
 
 
 class TsHeadModel(TsLMPreTrainedModel):

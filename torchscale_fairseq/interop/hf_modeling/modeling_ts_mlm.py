@@ -16,6 +16,7 @@ or, without a mask, the ``pad_token_id`` tokens (fairseq's rule): padded tokens 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -25,6 +26,14 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 from .configuration_ts_mlm import TsMLMConfig
 from .modeling_ts_lm import TsHeadModel, TsLMModel, TsLMPreTrainedModel
+
+
+@dataclasses.dataclass
+class TsEncoderOutput(BaseModelOutput):
+    """``last_hidden_state`` and ``attention_mask``, the real tokens it was computed over (1 = real):
+    what an encoder-decoder's cross-attention reads when ``generate()`` passes only the encoder output."""
+
+    attention_mask: Optional[torch.LongTensor] = None
 
 
 class TsMLMPreTrainedModel(TsLMPreTrainedModel):
@@ -48,8 +57,8 @@ class TsMLMModel(TsMLMPreTrainedModel, TsLMModel):
         return allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                **kwargs) -> BaseModelOutput:
-        """``last_hidden_state``: the encoder's output ``(B, T, hidden_size)``."""
+                **kwargs) -> TsEncoderOutput:
+        """``last_hidden_state``: the encoder's output ``(B, T, hidden_size)``; ``attention_mask``: the real tokens."""
         real = input_ids.ne(self.padding_idx) if attention_mask is None else attention_mask.bool()
         if real.shape != input_ids.shape:
             raise ValueError(f"attention_mask has shape {tuple(real.shape)}, input_ids {tuple(input_ids.shape)}")
@@ -63,7 +72,7 @@ class TsMLMModel(TsMLMPreTrainedModel, TsLMModel):
             x = layer(x, mask, real if padded else None, None, 0)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        return BaseModelOutput(last_hidden_state=x)
+        return TsEncoderOutput(last_hidden_state=x, attention_mask=real.long())
 
 
 class TsMLMForMaskedLM(TsMLMPreTrainedModel, TsHeadModel):
