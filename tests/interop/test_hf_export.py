@@ -14,8 +14,10 @@ The fairseq side, the reference, always runs here."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -501,13 +503,36 @@ def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
     cases = {str(tmp_path / "missing.model"): "^SentencePiece model .*missing.model does not exist: pass the .model",
              str(tmp_path / "broken.model"): "^SentencePiece model .*broken.model cannot be loaded",
              str(tmp_path / "other.model"): r"^\d+ of the \d+ pieces of SentencePiece model .*other.model \(e.g. '.+'\) "
-                                            "are not in the model's dictionary: pass the SentencePiece model the "
-                                            r"dictionary was built from \(--spm-model\)$"}
+                                            r"are not in the model's dictionary \(.*\): pass the SentencePiece model "
+                                            r"the dictionary was built from \(--spm-model\)$"}
     for i, (path, message) in enumerate(cases.items()):
         with pytest.raises(TsConfigError, match=message) as info:
             export_hf(ckpt, str(tmp_path / f"o{i}"), spm_model=path)
         assert "\n" not in str(info.value) and not (tmp_path / f"o{i}").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_spm_model_with_unused_pieces_found_automatically(spm_data, tmp_path, caplog):
+    """fairseq-preprocess leaves pieces the training data never used out of dict.txt (fairseq maps them to
+    <unk>, which a tokenizer.json cannot express): with the data directory's spm.model found automatically,
+    the model exports without a tokenizer and says why; passed as --spm-model, it is refused in one line."""
+    data = tmp_path / "data"
+    shutil.copytree(spm_data["lm"], data)
+    lines = (data / "dict.txt").read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if not line.startswith("madeupword"))
+    unused = lines[last].split()[0]
+    lines[last] = "not-a-piece 1"
+    (data / "dict.txt").write_text("\n".join(lines) + "\n")
+    d = Dictionary.load(str(data / "dict.txt"))
+    model, a = build_lm(d, decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
+    ckpt = str(save_checkpoint(model, a, tmp_path / "c.pt", data=data))
+    with caplog.at_level(logging.WARNING):
+        written = export_hf(ckpt, str(tmp_path / "auto"))
+    assert "tokenizer.json" not in written and not (tmp_path / "auto" / "tokenizer.json").exists()
+    assert f"(e.g. {unused!r})" in caplog.text and "No tokenizer" in (tmp_path / "auto" / "README.md").read_text()
+    with pytest.raises(TsConfigError, match="are not in the model's dictionary") as info:
+        export_hf(ckpt, str(tmp_path / "explicit"), spm_model=str(data / "spm.model"))
+    assert "\n" not in str(info.value) and not (tmp_path / "explicit").exists()
 
 
 def test_bad_inputs_one_line_nothing_overwritten(tmp_path):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -58,6 +59,8 @@ from torchscale_fairseq.models.config import validate_common
 from torchscale_fairseq.models.lm import TsLanguageModel, check_adaptive, parse_cutoffs
 from torchscale_fairseq.models.mlm import TsMaskedLMModel
 from torchscale_fairseq.models.transformer import TsTransformerModel
+
+logger = logging.getLogger(__name__)
 
 MODELING_DIR = Path(__file__).parent / "hf_modeling"
 KINDS = {TsLanguageModel: "lm", TsMaskedLMModel: "mlm", TsTransformerModel: "mt"}
@@ -483,8 +486,13 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
             written.extend(MODELING_FILES[kind])
         tokenizer = None
         if dictionary is not None and spm_path is not None and (kind != "mt" or joined_dictionary(state, dictionary)):
-            tokenizer = "SentencePiece"
-            written.extend(save_spm_tokenizer(dictionary, spm_path, kind, staging, cfg.max_positions))
+            try:
+                written.extend(save_spm_tokenizer(dictionary, spm_path, kind, staging, cfg.max_positions))
+                tokenizer = "SentencePiece"
+            except TsConfigError as err:
+                if spm_model is not None:
+                    raise
+                logger.warning("no tokenizer written for the SentencePiece model found at %s: %s", spm_path, err)
         elif kind == "lm" and dictionary is not None and is_gpt2_dictionary(dictionary):
             tokenizer = "GPT-2"
             written.extend(save_gpt2_tokenizer(dictionary, staging, cfg.max_positions))

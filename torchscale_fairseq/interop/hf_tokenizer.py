@@ -238,7 +238,8 @@ def save_spm_tokenizer(dictionary: Dictionary, model_path: Path, kind: str, out:
     missing = [piece for piece in normal if piece not in dictionary.indices]
     if missing:
         raise TsConfigError(f"{len(missing)} of the {len(normal)} pieces of SentencePiece model {model_path} "
-                            f"(e.g. {missing[0]!r}) are not in the model's dictionary: pass the SentencePiece "
-                            "model the dictionary was built from (--spm-model)")
+                            f"(e.g. {missing[0]!r}) are not in the model's dictionary (another model's, or pieces "
+                            "the training data never used, which fairseq maps to <unk> and a tokenizer.json cannot): "
+                            "pass the SentencePiece model the dictionary was built from (--spm-model)")
     specials = [s for s in dictionary.symbols if s not in normal]
     return _save(_spm_backend(spm, dictionary, normal), dictionary, specials, kind, out, max_length)
