@@ -21,7 +21,7 @@ setup(
     extras_require={
         "test": ["pytest", "ruff"],
         "plots": ["matplotlib"],
-        "export": ["transformers>=5.0.0,<6", "safetensors", "tokenizers"],
+        "export": ["transformers>=5.0.0,<6", "safetensors>=0.8,<0.9", "tokenizers"],
     },
     entry_points={"console_scripts": [
         "ts-reshard = torchscale_fairseq.cli.reshard:main",
