@@ -89,7 +89,6 @@ def get_expert_parallel(num_experts: int) -> ExpertParallel:
     return result
 
 
-
 def destroy_expert_parallel() -> None:
     """Forget the cached layouts and their groups (as
     :func:`~torchscale_fairseq.model_parallel.process_groups.destroy_model_parallel`)."""
