@@ -12,6 +12,7 @@ from torchscale_fairseq.compat.cpu_mixed_precision import patch_cpu_mixed_precis
 from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
 from torchscale_fairseq.compat.ngram_repeat_block import patch_ngram_repeat_block
 from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
+from torchscale_fairseq.compat.prefetch_thread_exit import patch_prefetch_thread_exit
 from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
 
 
@@ -24,3 +25,4 @@ def apply_fairseq_fixes() -> None:
     register_safe_globals()
     patch_fairseq_distributed()
     patch_cpu_mixed_precision()
+    patch_prefetch_thread_exit()

@@ -39,6 +39,8 @@ REPLACED: list[tuple[str, str, str]] = [
      "compat: c10d DDP rejects the device_ids fairseq passes for CPU modules"),
     ("fairseq.optim.fp16_optimizer", "_FP16OptimizerMixin.build_fp32_params",
      "compat: --fp16's flat fp32 master calls torch.cuda.current_device() (fails on CPU)"),
+    ("fairseq.data.iterators", "BackgroundConsumer",
+     "compat: the batch prefetch thread, still collating at exit, aborts the process (bpo-42969)"),
     ("fairseq.distributed.utils", "distributed_init",
      "tensor parallelism: our groups and RNG streams instead of the Megatron submodule"),
     ("fairseq.utils", "clip_grad_norm_",
