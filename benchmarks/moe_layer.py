@@ -83,7 +83,7 @@ def one_hot_step(layer: MoELayer, x: torch.Tensor):
     def step():
         layer.zero_grad(set_to_none=True)
         tokens = x.reshape(-1, x.size(-1))
-        _, r = layer.route(tokens)
+        _, r = layer.route(layer.router(tokens))
         cap = int(r.slot.max()) + 1
         combine = torch.zeros(tokens.size(0), layer.cfg.expert_count, cap, device=tokens.device, dtype=tokens.dtype)
         combine = combine.index_put((r.token, r.expert, r.slot), r.gate)

@@ -7,13 +7,13 @@
   odd lengths are padded to the group size); with dropout on, every replicated tensor is
   bitwise identical in the two parts after 10 updates; the X-MoE ``ts_lm`` below with
   ``--sequence-parallel`` at TP = 2 equals 1 process;
-- DP x TP = 2 x 2 on 4 processes (the X-MoE run also with ``--checkpoint-activations``)
+- DP x TP = 2 x 2 on 4 processes (the X-MoE local-scope run with ``--checkpoint-activations``)
   equals the single process accumulating the same two
   batches per update (``--update-freq 2``, which is what 2-way data parallelism sums);
 - ``ts_mlm`` (``masked_lm``) at size 2 equals size 1;
-- Magneto X-MoE ``ts_lm`` with SparseClip (4 experts over the 2 data-parallel ranks,
-  ``local`` balance-loss scope) on 4 processes (TP = 2 x DP = 2): per-update loss, ``gnorm``,
-  ``gnorm_dense``, ``gnorm_expert`` and balance loss equal 1 process with ``--update-freq 2``
+- Magneto X-MoE ``ts_lm`` with SparseClip and the router z-loss (4 experts over the 2
+  data-parallel ranks, ``local`` balance-loss scope) on 4 processes (TP = 2 x DP = 2): per-update
+  loss, ``gnorm``, ``gnorm_dense``, ``gnorm_expert``, balance loss and z-loss equal 1 process with ``--update-freq 2``
   and TP = 1 x DP = 2 (``global`` scope: equals TP = 1 x DP = 2), and every replicated
   tensor (routers included) is bitwise equal in the two tensor-parallel parts; the same
   for ``ts_transformer`` with ``moe_label_smoothed_cross_entropy --report-accuracy``
@@ -85,7 +85,7 @@ def mlm_args(data: Path, save: Path, tp: int) -> list[str]:
 # X-MoE (Magneto's default backbone, xmoe router) with SparseClip; "all" keeps both experts
 # of every token, so routing draws nothing from the generator that update-freq would advance
 MOE = ["--moe-expert-count", "4", "--moe-freq", "2", "--moe-second-expert-policy", "all", "--optimizer", "sparse_clip",
-       "--sparse-clip-base", "adam", "--clip-norm", "0.5", "--disable-validation"]
+       "--sparse-clip-base", "adam", "--clip-norm", "0.5", "--disable-validation", "--moe-z-loss-wt", "0.001"]
 
 
 def moe_lm_args(data: Path, save: Path, tp: int, update_freq: int, scope: str = "local") -> list[str]:
@@ -119,9 +119,8 @@ def runs(tmp_path_factory) -> dict:
         "moe1": (moe_lm_args(lm_bin, root / "moe1", 1, update_freq=2), 1),
         "moe_dp2": (moe_lm_args(lm_bin, root / "moe_dp2", 1, update_freq=1), 2),
         "moe2sp": ([*moe_lm_args(lm_bin, root / "moe2sp", 2, update_freq=2), "--sequence-parallel"], 2),
-        "moe_tp2dp2": (moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), 4),
-        "moe_tp2dp2_recompute": ([*moe_lm_args(lm_bin, root / "moe_tp2dp2_recompute", 2, update_freq=1),
-                                  "--checkpoint-activations"], 4),
+        # local scope with recomputation; the global-scope pair below runs TP x DP without it
+        "moe_tp2dp2": ([*moe_lm_args(lm_bin, root / "moe_tp2dp2", 2, update_freq=1), "--checkpoint-activations"], 4),
         "moe_dp2_global": (moe_lm_args(lm_bin, root / "moe_dp2_global", 1, update_freq=1, scope="global"), 2),
         "moe_tp2dp2_global": (moe_lm_args(lm_bin, root / "moe_tp2dp2_global", 2, update_freq=1, scope="global"), 4),
         "mtmoe1": (moe_mt_args(mt_bin, root / "mtmoe1", 1, update_freq=2), 1),
@@ -220,26 +219,19 @@ def test_mlm_losses_and_gnorm_equal_single_process(runs):
                            updates=MLM_UPDATES)
 
 
-MOE_KEYS = ("loss", "gnorm", "gnorm_dense", "gnorm_expert", "moe_gate_loss")
+MOE_KEYS = ("loss", "gnorm", "gnorm_dense", "gnorm_expert", "moe_gate_loss", "moe_z_loss")
 
 
 @pytest.mark.parametrize("reference", ["moe1", "moe_dp2"])
-def test_moe_sparse_clip_tensor_times_data_parallel(runs, reference):
-    """TP = 2 x DP = 2 (experts over the data-parallel ranks) against 1 process with
-    ``--update-freq 2`` and against TP = 1 x DP = 2."""
+def test_moe_sparse_clip_tensor_times_data_parallel_with_activation_checkpointing(runs, reference):
+    """TP = 2 x DP = 2 (experts over the data-parallel ranks), recomputing every layer in
+    backward (routing, all-to-alls and tensor-parallel collectives repeated), against 1 process
+    with ``--update-freq 2`` and against TP = 1 x DP = 2, neither recomputing."""
     logs = runs["logs"]
     assert_same_trajectory(logs[reference][0], logs["moe_tp2dp2"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
     records = train_records(logs["moe_tp2dp2"][0])
     assert all(float(r["gnorm_expert"]) > 0 for r in records)
     assert any(float(r["gnorm"]) > 0.5 for r in records), "SparseClip must clip at least once"
-
-
-def test_moe_tensor_times_data_parallel_with_activation_checkpointing(runs):
-    """The same TP = 2 x DP = 2 X-MoE run recomputing every layer in backward (routing,
-    all-to-alls and tensor-parallel collectives repeated) against 1 process with
-    ``--update-freq 2``."""
-    logs = runs["logs"]
-    assert_same_trajectory(logs["moe1"][0], logs["moe_tp2dp2_recompute"][0], keys=MOE_KEYS, updates=MOE_UPDATES)
 
 
 def test_moe_sequence_parallel_equals_single_process(runs):

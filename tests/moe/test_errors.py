@@ -38,6 +38,8 @@ def test_expert_count_incompatible_with_world_size():
     ({"moe_freq": -1}, "--moe-freq -1 must be positive"),
     ({"moe_expert_count": -2}, "negative"),
     ({"moe_checkpoint_exchange": "twice"}, "--moe-checkpoint-exchange 'twice' is unknown: choose one of repeat, keep"),
+    ({"moe_capacity_factor": -1.0}, r"--moe-capacity-factor -1.0 is negative: use 0 \(no dropping\)"),
+    ({"moe_eval_capacity_factor": -0.5}, r"--moe-eval-capacity-factor -0.5 is negative: use 0 \(no dropping\)"),
 ])
 def test_flag_errors(kw, match):
     with pytest.raises(TsConfigError, match=match):

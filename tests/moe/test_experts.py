@@ -14,7 +14,7 @@ from torchscale_fairseq.modules.moe.layer import MoELayer, sender_to_expert_orde
 def _reference_output(layer: MoELayer, tokens: torch.Tensor) -> torch.Tensor:
     """``sum_a gate_a * FFN_{e_a}(x_{t_a})`` token by token, from the layer's own parameters."""
     ex = layer.experts
-    _, r = layer.route(tokens)
+    _, r = layer.route(layer.router(tokens))
     out = torch.zeros_like(tokens)
     for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate):
         h = F.gelu(tokens[t] @ ex.fc1_weight[e] + ex.fc1_bias[e])

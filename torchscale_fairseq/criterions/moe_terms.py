@@ -1,18 +1,22 @@
 """What every MoE criterion adds to its base loss, and what it logs.
 
-``loss = base + w * S * sum_l L_l`` with ``w`` = ``--moe-gate-loss-wt`` (paper: 0.01),
-``L_l`` the balance loss of MoE layer ``l`` and ``S`` the sample size of the global
-batch (fairseq divides the summed gradients by it, so the balance term keeps weight
-``w`` whatever the batch). With ``--moe-balance-scope local`` (default) ``L_l`` and ``S``
-are this rank's, as in fairseq's MoE branch; with ``global`` ``L_l`` is this rank's share of
-the data-parallel group's loss (:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is
-summed over the group. The MoE layers return their ``L_l`` and statistics
-(:class:`~torchscale_fairseq.modules.moe.balance.MoEAux`) and the model passes them up in
-its extra output under ``"moe"``; the criterion reads them from the output the model
-returned to its base loss (:class:`OutputRecorder`). The reported ``loss``/``ppl`` stay the base ones;
-``moe_gate_loss`` (``sum_l L_l``), per-layer expert load CV (``moe_cv_<layer>``),
-``moe_drop`` (fraction of dropped assignments) and ``moe_entropy`` (mean routing
-entropy per token, nats) are logged beside them.
+``loss = base + w * S * sum_l L_l + w_z * S_r * sum_l Z_l`` with ``w`` = ``--moe-gate-loss-wt``
+(paper: 0.01), ``L_l`` the balance loss of MoE layer ``l`` and ``S`` the sample size of the
+global batch (fairseq divides the summed gradients by it, so the balance term keeps weight ``w``
+whatever the batch); ``w_z`` = ``--moe-z-loss-wt`` (ST-MoE: 0.001; default 0, off), ``Z_l`` the
+layer's router z-loss (the mean over this rank's tokens,
+:func:`~torchscale_fairseq.modules.moe.balance.router_z_loss`) and ``S_r`` this rank's sample
+size, so that every token's z-loss weighs the same in any data-parallel layout. With
+``--moe-balance-scope local`` (default) ``L_l`` and ``S`` are this rank's, as in fairseq's MoE
+branch; with ``global`` ``L_l`` is this rank's share of the data-parallel group's loss
+(:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed over the group. The MoE
+layers return their ``L_l`` and statistics
+(:class:`~torchscale_fairseq.modules.moe.balance.MoEAux`) and the model passes them up in its
+extra output under ``"moe"``; the criterion reads them from the output the model returned to its
+base loss (:class:`OutputRecorder`). The reported ``loss``/``ppl`` stay the base ones;
+``moe_gate_loss`` (``sum_l L_l``), ``moe_z_loss`` (``sum_l Z_l``, whatever ``w_z``), per-layer
+expert load CV (``moe_cv_<layer>``), ``moe_drop`` (fraction of dropped assignments) and
+``moe_entropy`` (mean routing entropy per token, nats) are logged beside them.
 """
 
 from __future__ import annotations
@@ -63,15 +67,19 @@ def _balance_sample_size(layers: list[MoEAux], sample_size: Any) -> torch.Tensor
     return size
 
 
-def add_moe_terms(layers: list[MoEAux], weight: float, loss: torch.Tensor, sample_size: Any,
+def add_moe_terms(layers: list[MoEAux], weight: float, z_weight: float, loss: torch.Tensor, sample_size: Any,
                   logging_output: dict) -> torch.Tensor:
-    """``loss + w * S * sum_l L_l``; fills ``logging_output`` with the MoE figures."""
+    """``loss + w * S * sum_l L_l + w_z * S_r * sum_l Z_l``; fills ``logging_output`` with the MoE figures."""
     if not layers:
-        logging_output["moe_gate_loss"] = 0.0
+        logging_output["moe_gate_loss"] = logging_output["moe_z_loss"] = 0.0
         return loss
     total = _balance_sample_size(layers, sample_size)
+    local = torch.as_tensor(sample_size, dtype=torch.float32)
     gate = torch.stack([m.balance_loss for m in layers]).sum()
-    logging_output["moe_gate_loss"] = float(gate.detach()) * float(total)
+    z = torch.stack([m.z_loss for m in layers]).sum()
+    sizes = torch.stack([total, local]).to(gate.device)
+    gate_sum, z_sum = (torch.stack([gate.detach(), z.detach()]).float() * sizes).tolist()  # one host read
+    logging_output["moe_gate_loss"], logging_output["moe_z_loss"] = gate_sum, z_sum
     logging_output["moe_layers"] = 1
     for m in layers:
         logging_output[f"moe_cv_{m.tag}"] = m.stats.load_cv
@@ -79,7 +87,8 @@ def add_moe_terms(layers: list[MoEAux], weight: float, loss: torch.Tensor, sampl
     logging_output["moe_routed"] = sum(m.stats.routed for m in layers)
     logging_output["moe_entropy_sum"] = sum(m.stats.entropy_sum for m in layers)
     logging_output["moe_tokens"] = sum(m.stats.tokens for m in layers)
-    return loss + weight * total.to(loss.dtype) * gate.to(loss.dtype)
+    loss = loss + weight * total.to(loss.dtype) * gate.to(loss.dtype)
+    return loss + z_weight * local.to(loss.dtype) * z.to(loss.dtype) if z_weight else loss
 
 
 def reduce_moe_metrics(logging_outputs: list[dict]) -> None:
@@ -88,6 +97,7 @@ def reduce_moe_metrics(logging_outputs: list[dict]) -> None:
 
     sample_size = total("sample_size")
     metrics.log_scalar("moe_gate_loss", total("moe_gate_loss") / max(sample_size, 1.0), sample_size, round=4)
+    metrics.log_scalar("moe_z_loss", total("moe_z_loss") / max(sample_size, 1.0), sample_size, round=4)
     n = total("moe_layers")
     if n == 0:
         return

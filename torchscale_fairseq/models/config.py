@@ -35,10 +35,10 @@ class TsMoEConfig(FairseqDataclass):
     moe_router_dim: int = field(default=16, metadata={"help": "X-MoE routing dimension"})
     moe_gate_noise: float = field(default=0.0, metadata={"help": "noisy top-k std for the linear router (0 = off)"})
     moe_capacity_factor: float = field(
-        default=1.25, metadata={"help": "training capacity: factor * tokens * k / E per expert (<= 0: no dropping)"}
+        default=1.25, metadata={"help": "training capacity: factor * tokens * k / E per expert (0: no dropping)"}
     )
     moe_eval_capacity_factor: float = field(
-        default=0.0, metadata={"help": "validation/generation capacity factor (<= 0: never drop)"}
+        default=0.0, metadata={"help": "validation/generation capacity factor (0: never drop)"}
     )
     moe_second_expert_policy: ChoiceEnum(SECOND_EXPERT_POLICIES) = field(
         default="random",

@@ -7,6 +7,10 @@ probability of ``e``; uniform routing gives ``L = 1``. Its scope (``--moe-balanc
 - ``global``: the counts are summed over the data-parallel group (``f`` is global) and
   each rank returns its share ``E * sum_e f_e * s_e / N`` (``s_e``: the rank's probability
   sum, ``N``: all tokens), so the shares add up to the loss of the group's micro-batch.
+
+Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``Z = mean_t (log sum_e exp s_te)^2`` over
+this rank's routed tokens, ``s`` the router's scores (logits) before the softmax; it keeps
+the scores small, so the router's softmax stays away from saturation in low precision.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ class RoutingStats:
 @dataclass
 class MoEAux:
     """What one MoE layer's forward returns beside its output (TorchScale's ``l_aux``):
-    its ``tag``, the ``balance_loss`` (a scalar tensor), the routing ``stats`` and the
-    ``data_parallel_group`` its balance loss was counted over (``None``: the local scope)."""
+    its ``tag``, the ``balance_loss`` and the router ``z_loss`` (scalar tensors), the routing
+    ``stats`` and the ``data_parallel_group`` its balance loss was counted over (``None``: the
+    local scope)."""
 
     tag: str
     balance_loss: torch.Tensor
+    z_loss: torch.Tensor
     stats: RoutingStats
     data_parallel_group: object | None = None
 
@@ -63,6 +69,11 @@ def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object 
     n = totals[-1].clamp(min=1.0)
     f = totals[:num_experts] / n
     return num_experts * (f * probs.float().sum(0)).sum() / n
+
+
+def router_z_loss(scores: torch.Tensor) -> torch.Tensor:
+    """``mean_t (logsumexp_e s_te)^2`` of the router scores ``(T, E)`` (0 for no token), in fp32."""
+    return torch.logsumexp(scores.float(), dim=-1).square().sum() / max(scores.size(0), 1)
 
 
 def routing_stats(probs: torch.Tensor, requested: torch.Tensor, routed: int, dropped: int) -> RoutingStats:

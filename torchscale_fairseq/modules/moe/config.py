@@ -83,5 +83,9 @@ def check_moe_config(cfg: MoEConfig) -> None:
         raise TsConfigError(f"--moe-router-dim {cfg.router_dim} must be positive (X-MoE uses 16)")
     if cfg.gate_noise < 0:
         raise TsConfigError(f"--moe-gate-noise {cfg.gate_noise} must be >= 0")
+    for flag, value in (("--moe-capacity-factor", cfg.capacity_factor),
+                        ("--moe-eval-capacity-factor", cfg.eval_capacity_factor)):
+        if value < 0:
+            raise TsConfigError(f"{flag} {value} is negative: use 0 (no dropping) or a factor > 0 (GShard: 1.25)")
     if cfg.router == "expert_choice" and cfg.capacity_factor <= 0:
         raise TsConfigError("--moe-router expert_choice needs --moe-capacity-factor > 0 (tokens each expert takes)")

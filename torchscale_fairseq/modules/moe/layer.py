@@ -5,7 +5,8 @@ rows grouped by expert (no ``(E, C, d)`` capacity padding), sent to the ranks ho
 their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back and combined:
 ``y_t = sum_a gate_a * expert_{e_a}(x_t)``. Dropped (overflowed) and padding tokens
 get a zero output, so the residual carries them. The forward returns the output and
-an :class:`~.balance.MoEAux` (balance loss and routing statistics, see :mod:`.balance`),
+an :class:`~.balance.MoEAux` (balance loss, router z-loss and routing statistics, see
+:mod:`.balance`),
 which the model passes up to the criterion.
 
 Under activation checkpointing the layer's forward runs twice, the second time in backward
@@ -52,7 +53,14 @@ from torchscale_fairseq.model_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
-from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats, balance_loss, choice_totals, routing_stats
+from torchscale_fairseq.modules.moe.balance import (
+    MoEAux,
+    RoutingStats,
+    balance_loss,
+    choice_totals,
+    router_z_loss,
+    routing_stats,
+)
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -127,9 +135,9 @@ class MoELayer(nn.Module):
         )
         self.experts.set_groups(self.parallel.group, self.parallel.replica_group)
 
-    def route(self, tokens: torch.Tensor, incremental: bool = False) -> tuple[torch.Tensor, Routing]:
-        """Router probabilities (fp32) and the routing plan of ``tokens`` (N, C)."""
-        probs = torch.softmax(self.router(tokens), dim=-1)
+    def route(self, scores: torch.Tensor, incremental: bool = False) -> tuple[torch.Tensor, Routing]:
+        """Router probabilities (fp32) and the routing plan from the router's ``scores`` (N, E)."""
+        probs = torch.softmax(scores, dim=-1)
         cfg = self.cfg
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.router == "expert_choice":
@@ -163,7 +171,8 @@ class MoELayer(nn.Module):
             tokens = flat.index_select(0, keep)
         else:
             tokens = flat
-        probs, routing = self.route(tokens, incremental)
+        scores = self.router(tokens)
+        probs, routing = self.route(scores, incremental)
         group = self.parallel.data_parallel_group if self.cfg.balance_scope == "global" else None
         if self.cfg.router == "expert_choice":
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
@@ -173,7 +182,7 @@ class MoELayer(nn.Module):
             if memo is not None:
                 memo.totals = totals
         stats = memo.stats if replay else routing_stats(probs, routing.requested, routing.routed, routing.dropped)
-        aux = MoEAux(self.tag, loss, stats, group)
+        aux = MoEAux(self.tag, loss, router_z_loss(scores), stats, group)
         out = self.dispatch_combine(tokens, routing, memo)
         if memo is not None:
             memo.stats, memo.filled = stats, True
