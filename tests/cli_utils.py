@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from tests import prewarmed
+
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = str(REPO / "torchscale_fairseq")
 BIN = Path(sys.executable).parent
@@ -27,9 +29,9 @@ def cli_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 def run(cmd: Sequence[str], cwd: Optional[Path] = None, check: bool = True, timeout: int = 600,
         env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """Run a command; on failure raise with its output (tail) in the message."""
-    proc = subprocess.run(list(map(str, cmd)), cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=cli_env(env))
+    """Run a command (a Python program: from :mod:`tests.prewarmed`); on failure raise with its
+    output (tail) in the message."""
+    proc = prewarmed.run(cmd, cwd=cwd, timeout=timeout, env=cli_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

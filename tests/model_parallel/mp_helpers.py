@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests import prewarmed
 from tests.rendezvous import rendezvous_url
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +34,11 @@ def dist_flags(world: int, rank: int, init_method: str) -> list[str]:
     ]
 
 
-def launch(cmd: Sequence[str], log: Path) -> subprocess.Popen:
+def launch(cmd: Sequence[str], log: Path) -> subprocess.Popen | prewarmed.PrewarmedProcess:
+    """Start ``cmd`` (a Python program: from the prewarmed server) with its output in ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, cwd=str(REPO))
+    with log.open("w") as out:
+        return prewarmed.popen(cmd, out, env=ENV, cwd=REPO)
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
