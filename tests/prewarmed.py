@@ -178,10 +178,11 @@ _SERVER = _Server()
 
 
 class PrewarmedProcess:
-    """A child of the server, as :class:`subprocess.Popen` shows a process."""
+    """A child of the server, as :class:`subprocess.Popen` shows a process (``stdout``: the read
+    end of its output pipe, if asked for one)."""
 
-    def __init__(self, args: list[str], pid: int) -> None:
-        self.args, self.pid = args, pid
+    def __init__(self, args: list[str], pid: int, stdout=None) -> None:
+        self.args, self.pid, self.stdout = args, pid, stdout
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -197,6 +198,21 @@ class PrewarmedProcess:
             time.sleep(_POLL_SECONDS)
         return self.returncode
 
+    def communicate(self, timeout: float | None = None) -> tuple[str | bytes | None, None]:
+        """Read the output pipe to its end, then wait for the exit (``timeout`` for both)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = None
+        if self.stdout is not None:
+            chunks: list = []
+            reader = threading.Thread(target=lambda: chunks.append(self.stdout.read()), daemon=True)
+            reader.start()
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            out = chunks[0]
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return out, None
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
@@ -209,21 +225,34 @@ class PrewarmedProcess:
 
 
 def popen(cmd: Sequence[str | Path], stdout, stderr=subprocess.STDOUT, env: Mapping[str, str] | None = None,
-          cwd: str | Path | None = None) -> PrewarmedProcess | subprocess.Popen:
-    """Start ``cmd`` with ``stdout``/``stderr`` (open files, or ``subprocess.STDOUT`` for
-    ``stderr``) and stdin from ``/dev/null``: from the server if it is a Python program, else as
-    :class:`subprocess.Popen`."""
+          cwd: str | Path | None = None, text: bool = False) -> PrewarmedProcess | subprocess.Popen:
+    """Start ``cmd`` with ``stdout`` (an open file, or ``subprocess.PIPE``: read it from the
+    returned process's ``stdout``, as text with ``text=True``), ``stderr`` (an open file, or
+    ``subprocess.STDOUT``) and stdin from ``/dev/null``: from the server if it is a Python
+    program, else as :class:`subprocess.Popen`."""
     args = [str(c) for c in cmd]
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
     python_args = _python_command(args)
     if python_args is None:
-        return subprocess.Popen(args, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
-    err = stdout if stderr == subprocess.STDOUT else stderr
-    with open(os.devnull, "rb") as devnull:
-        fds = [devnull.fileno(), stdout.fileno(), err.fileno()]
-        answer = _SERVER.ask({"op": "spawn", "args": python_args, "env": env, "cwd": cwd}, fds)
-    return PrewarmedProcess(args, answer["pid"])
+        return subprocess.Popen(args, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                text=text)
+    read_end = None
+    if stdout == subprocess.PIPE:
+        read_end, write_end = os.pipe()
+        out_fd = write_end
+    else:
+        out_fd = stdout.fileno()
+    err_fd = out_fd if stderr == subprocess.STDOUT else stderr.fileno()
+    try:
+        with open(os.devnull, "rb") as devnull:
+            answer = _SERVER.ask({"op": "spawn", "args": python_args, "env": env, "cwd": cwd},
+                                 [devnull.fileno(), out_fd, err_fd])
+    finally:
+        if read_end is not None:
+            os.close(write_end)  # the child holds the only write end: its exit ends the pipe
+    pipe = None if read_end is None else open(read_end, "r" if text else "rb")  # noqa: SIM115
+    return PrewarmedProcess(args, answer["pid"], pipe)
 
 
 def run(cmd: Sequence[str | Path], env: Mapping[str, str] | None = None, cwd: str | Path | None = None,

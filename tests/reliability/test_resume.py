@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
+from tests import prewarmed
 from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, json_logs, run, tool
 
 STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
@@ -37,8 +38,8 @@ def _command(data, save, recipe):
 def _kill_after(cmd, update: int) -> None:
     """Start ``cmd`` (a ``fairseq-train`` command) stalling after update ``update``; SIGKILL
     it once it has logged that update."""
-    proc = subprocess.Popen([sys.executable, str(STALL_CLI), str(update), *cmd[1:]], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env())
+    proc = prewarmed.popen([sys.executable, str(STALL_CLI), str(update), *cmd[1:]], subprocess.PIPE, env=cli_env(),
+                           text=True)
     for line in proc.stdout:
         if "| train_inner |" in line and json.loads(line[line.find("{"):])["num_updates"] == str(update):
             proc.send_signal(signal.SIGKILL)

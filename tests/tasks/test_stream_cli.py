@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from data_prep import prepare_lm
+from tests import prewarmed
 from tests.cli_utils import json_logs, run, tool
 from tests.tasks.conftest import USER_DIR, build_task
 from tests.tasks.stream_data import make_docs, write_shard
@@ -83,7 +83,7 @@ def test_sigkill_resume_gives_the_same_samples(prepared: Path, trained: tuple[Pa
     cmd = [sys.executable, str(STALL_CLI), "3", str(prepared / "stream"), *TRAIN, "--max-update", "50",
            "--save-dir", str(save)]  # stalls after the checkpoint of update 3
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = prewarmed.popen(cmd, out, env=env)
         deadline = time.time() + 300
         while "Saved checkpoint" not in log.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)

@@ -21,6 +21,7 @@ import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from data_prep import train_spm
+from tests import prewarmed
 from tests.cli_utils import cli_env, json_logs, tool
 from tests.rendezvous import rendezvous_url
 from tests.tasks.conftest import USER_DIR, batches
@@ -52,7 +53,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def launch(data: Path, save: Path, task: str, workers: int, world: int, stall_after: int | None = None,
-           extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+           extra: tuple[str, ...] = ()) -> list[prewarmed.PrewarmedProcess]:
     """``fairseq-train`` on ``world`` gloo ranks (one process each); with ``stall_after`` each
     rank stops making progress after that update (so it can be killed at a known point).
     Rank 0's output is a pipe, the others' go to ``SAVE.rankR.log``."""
@@ -61,16 +62,15 @@ def launch(data: Path, save: Path, task: str, workers: int, world: int, stall_af
     if world > 1:
         cmd += ["--distributed-world-size", str(world), "--distributed-init-method", rendezvous_url(save.parent),
                 "--distributed-no-spawn", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"]
-    procs = [subprocess.Popen([*cmd, *(["--distributed-rank", "0"] if world > 1 else [])], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env())]
+    procs = [prewarmed.popen([*cmd, *(["--distributed-rank", "0"] if world > 1 else [])], subprocess.PIPE,
+                             env=cli_env(), text=True)]
     for r in range(1, world):
         with open(save.parent / f"{save.name}.rank{r}.log", "a") as log:
-            procs.append(subprocess.Popen([*cmd, "--distributed-rank", str(r)], stdout=log, stderr=subprocess.STDOUT,
-                                          env=cli_env()))
+            procs.append(prewarmed.popen([*cmd, "--distributed-rank", str(r)], log, env=cli_env()))
     return procs
 
 
-def finish(procs: list[subprocess.Popen]) -> str:
+def finish(procs: list[prewarmed.PrewarmedProcess]) -> str:
     """Rank 0's output once every rank exited 0 (every rank is killed if one fails or hangs)."""
     try:
         out = procs[0].communicate(timeout=600)[0]
@@ -83,7 +83,7 @@ def finish(procs: list[subprocess.Popen]) -> str:
     return out
 
 
-def kill_after_save(procs: list[subprocess.Popen], checkpoint: str) -> str:
+def kill_after_save(procs: list[prewarmed.PrewarmedProcess], checkpoint: str) -> str:
     """SIGKILL every rank once rank 0 logged writing ``checkpoint``; rank 0's output until then."""
     watchdog = threading.Timer(600, lambda: [p.kill() for p in procs])  # a hang fails this test, not the suite
     watchdog.start()
