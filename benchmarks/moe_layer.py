@@ -86,7 +86,7 @@ def one_hot_step(layer: MoELayer, x: torch.Tensor):
         _, r = layer.route(layer.router(tokens))
         cap = int(r.slot.max()) + 1
         combine = torch.zeros(tokens.size(0), layer.cfg.expert_count, cap, device=tokens.device, dtype=tokens.dtype)
-        combine = combine.index_put((r.token, r.expert, r.slot), r.gate)
+        combine = combine.index_put((r.token, r.expert, r.slot), r.gate.to(combine.dtype))  # gates are fp32
         dispatch = (combine > 0).to(tokens.dtype)
         expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
         num_experts, dim = layer.cfg.expert_count, tokens.size(-1)

@@ -101,7 +101,7 @@ fi
 part "fairseq($how)"
 
 # 4. This package, editable (its console scripts in the venv), nothing else.
-"${PIP[@]}" --no-build-isolation -e "$ROOT"
+"${PIP[@]}" --no-build-isolation --use-pep517 -e "$ROOT"   # PEP 660: a pip < 25.3 would otherwise run setup.py develop, which a setuptools >= 80 hands to an isolated pip (network)
 part torchscale-fairseq
 
 # 5. What the check imports, with the versions it runs on.

@@ -13,6 +13,8 @@
 #   bash scripts/gpu/run_gpu_check.sh --next        # print the next stage (or "none") and stop
 #   bash scripts/gpu/run_gpu_check.sh --plan        # the stages, their limits and expected times, checked
 #   bash scripts/gpu/run_gpu_check.sh --dry-run     # the wheelhouse checked, the next stage's commands printed
+#   GPU_CHECK_ONLY="pytest-gpu bench-moe" bash scripts/gpu/run_gpu_check.sh --stage all
+#                                                   # only the steps named (and the install): a shorter lease
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WH="${WHEELHOUSE:-$ROOT/scripts/gpu/wheelhouse}"
@@ -25,6 +27,7 @@ CALL_LIMIT=570        # one device call is 10 minutes: a stage, its start and it
 TOTAL_LIMIT=1500      # all stages: 25 minutes of the session's 30 minutes of device time
 STAGE_LIMIT=(0 480 480 480)                 # seconds per stage (index = stage)
 SLOWDOWN="${GPU_CHECK_SLOWDOWN:-1}"         # multiplies every limit (a slow CPU stand-in; 1 on the node)
+ONLY="${GPU_CHECK_ONLY:-}"                  # step names: run only these (the others stay as recorded)
 PYTEST=(-p no:cacheprovider -o addopts= -ra -q --durations=10)
 
 # The plan: stage | step | limit (s) | expected on the node (s, an estimate until measured) | without
@@ -36,7 +39,7 @@ plan() {
 1|install|420|60|-|bash scripts/gpu/node_install.sh
 1|cpu-smoke|150|40|-|$VPY -m pytest tests/foundation/test_default_device.py tests/optim/test_mixed_precision.py $PYTEST_FLAGS
 1|pytest-gpu|300|170|pytest|$VPY -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_cuda_training.py $PYTEST_FLAGS $XDIST
-1|bench-moe|90|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12
+1|bench-moe|90|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12
 2|install|420|60|-|bash scripts/gpu/node_install.sh
 2|pytest-gpu-training|360|200|pytest|$VPY -m pytest -m gpu tests/gpu/test_cuda_training.py $PYTEST_FLAGS
 2|bench-generation|150|75|$VPY benchmarks/gpu_generation.py --toy|$VPY benchmarks/gpu_generation.py --rounds 1
@@ -231,6 +234,7 @@ run_stage() {
   [ -f "$RESULTS/stage$stage.md" ] && cp "$RESULTS/stage$stage.md" "$RESULTS/stage$stage.md.old"
   while IFS='|' read -r s step limit exp nocuda cmd; do
     [ "$s" = "$stage" ] && [ "$step" != install ] || continue
+    [ -z "$ONLY" ] || [[ " $ONLY " == *" $step "* ]] || continue
     if [ "$force" = 1 ] || ! is_done "$stage" "$step"; then todo+=("$step"); fi
   done < <(plan)
   echo "[gpu-check] stage $stage: ${todo[*]:-nothing left} (budget ${BUDGET}s)"

@@ -17,6 +17,7 @@ import torch
 
 from tests.cli_utils import REPO, run, run_many
 from tests.model_parallel.mp_helpers import run_worker_ranks
+from tests.moe.test_distributed import EXPERT_PARALLEL_EQUIVALENCE
 from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.model_parallel import random as tp_random
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
@@ -39,10 +40,10 @@ def test_parallel_layers_on_cuda_equal_dense(tmp_path):
 
 
 def test_expert_parallel_on_cuda_equals_single_process(tmp_path, lm_data):
-    """E = 4 experts on 2 ranks (gloo, one GPU, DDP with ``device_ids``) vs 1 process, all on CUDA."""
-    flags = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
-             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
-             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-top-k", "2"]
+    """E = 4 experts on 2 ranks (gloo, one GPU, DDP with ``device_ids``) vs 1 process, all on CUDA, with
+    the flags of the CPU check (its first GPU run, without ``--moe-balance-scope global``, compared two
+    different losses: 1.5e-4 apart after one update, as on the CPU)."""
+    flags = ["--moe-expert-count", "4", "--moe-top-k", "2", *EXPERT_PARALLEL_EQUIVALENCE]
     outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
     run_many([["env", "TS_HARNESS_DEVICE=cuda", sys.executable, "-m", "tests.moe.dist_harness", outs[world],
                str(world), lm_data, *flags] for world in (1, 2)])

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.gpu
 
 MODES = {"fp16": ["--fp16"], "bf16": ["--bf16"], "bf16-per-parameter": ["--bf16", "--fp16-no-flatten-grads"],
          "memory-efficient-fp16": ["--memory-efficient-fp16"]}
+# The default second-expert policy (``random``) draws from the device's generator: CPU and CUDA
+# would route differently (the first GPU run: first losses 0.3% apart). ``all`` routes the same.
+SAME_ROUTES = ["--moe-second-expert-policy", "all"]
 TOLERANCE = {"fp16": 1e-2, "memory-efficient-fp16": 1e-2, "bf16": 3e-2, "bf16-per-parameter": 3e-2}
 
 
@@ -31,7 +34,7 @@ def runs(tmp_path_factory, lm_data) -> dict:
     for name in names:
         device = "TS_HARNESS_DEVICE=" + ("cpu" if name == "fp32-cpu" else "cuda")
         cmds.append(["env", device, sys.executable, "-m", "tests.moe.dist_harness", root / f"{name}.pt", "1",
-                     lm_data, *MOE, *SPARSE, *MODES.get(name, [])])
+                     lm_data, *MOE, *SPARSE, *SAME_ROUTES, *MODES.get(name, [])])
     run_many(cmds)
     return {name: torch.load(root / f"{name}.pt", map_location="cpu") for name in names}
 

@@ -35,6 +35,14 @@ def _consolidate(name, out):
     run([sys.executable, "-m", "torchscale_fairseq.cli.consolidate_experts", name, "-o", out])
 
 
+# Expert parallelism that must train as one process: no capacity drops, no random second expert,
+# SGD (see below), and the balance loss of the whole batch (``local``, the default, is that of each
+# rank's half: a different loss, as test_local_balance_scope_equals_update_freq shows).
+EXPERT_PARALLEL_EQUIVALENCE = ["--moe-freq", "1", "--criterion", "moe_cross_entropy", "--moe-capacity-factor", "0",
+                               "--moe-second-expert-policy", "all", "--clip-norm", "0.5", "--optimizer", "sparse_clip",
+                               "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-balance-scope", "global"]
+
+
 @pytest.mark.parametrize("experts,extra", [("4", ["--moe-top-k", "2"]), ("1", ["--moe-top-k", "1"])])
 def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra):
     """E=4 on 2 ranks (2 experts each) and E=1 on 2 ranks (replicas) vs 1 process with the
@@ -44,10 +52,7 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
 
     SGD, not Adam: Adam divides by sqrt(v), so gradients that are mathematically zero
     (the attention key bias) turn float summation-order noise into lr-sized steps."""
-    flags = ["--moe-expert-count", experts, "--moe-freq", "1", "--criterion", "moe_cross_entropy",
-             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
-             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-balance-scope", "global",
-             *extra]
+    flags = ["--moe-expert-count", experts, *EXPERT_PARALLEL_EQUIVALENCE, *extra]
     outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
     run_many([[sys.executable, "-m", "tests.moe.dist_harness", outs[world], str(world), lm_data, *flags]
               for world in (1, 2)])
