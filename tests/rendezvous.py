@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Callable
 
 
 def rendezvous_url(directory: Path | str) -> str:
@@ -18,6 +19,17 @@ def rendezvous_url(directory: Path | str) -> str:
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     return (directory / f"rendezvous-{uuid.uuid4().hex}").as_uri()
+
+
+def start_ranks(worker: Callable[..., None], args: tuple, nprocs: int, device: str = "cpu") -> None:
+    """``mp.spawn``'s contract (``worker(rank, *args)`` in ``nprocs`` processes, joined, a rank's
+    error raised here), with CPU ranks forked: they inherit the launcher's imports (torch, and
+    fairseq where the launcher came from ``tests/prewarmed.py``) instead of importing them again,
+    seconds per rank. CUDA ranks are spawned: a CUDA context does not survive ``fork``. The
+    launcher must not have run torch ops before (a forked OpenMP pool would hang)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn" if device == "cuda" else "fork")
 
 
 def leave_process_group() -> None:

@@ -14,7 +14,6 @@ The fairseq side, the reference, always runs here."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -490,7 +489,7 @@ def test_hf_translate_is_fairseq_generate(nmt_data, tmp_path, capsys):
 
 
 def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
-    """A missing, unreadable or foreign (pieces not in the dictionary) SentencePiece model is refused in
+    """A missing, unreadable or foreign (dictionary symbols that are not its pieces) SentencePiece model is refused in
     one line, nothing written."""
     from data_prep.train_spm import train_sentencepiece
 
@@ -502,8 +501,8 @@ def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
     (tmp_path / "broken.model").write_bytes(b"not a model")
     cases = {str(tmp_path / "missing.model"): "^SentencePiece model .*missing.model does not exist: pass the .model",
              str(tmp_path / "broken.model"): "^SentencePiece model .*broken.model cannot be loaded",
-             str(tmp_path / "other.model"): r"^\d+ of the \d+ pieces of SentencePiece model .*other.model \(e.g. '.+'\) "
-                                            r"are not in the model's dictionary \(.*\): pass the SentencePiece model "
+             str(tmp_path / "other.model"): r"^\d+ symbols of the model's dictionary \(e.g. '.+'\) are not pieces of "
+                                            r"SentencePiece model .*other.model: pass the SentencePiece model "
                                             r"the dictionary was built from \(--spm-model\)$"}
     for i, (path, message) in enumerate(cases.items()):
         with pytest.raises(TsConfigError, match=message) as info:
@@ -512,27 +511,35 @@ def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_spm_model_with_unused_pieces_found_automatically(spm_data, tmp_path, caplog):
-    """fairseq-preprocess leaves pieces the training data never used out of dict.txt (fairseq maps them to
-    <unk>, which a tokenizer.json cannot express): with the data directory's spm.model found automatically,
-    the model exports without a tokenizer and says why; passed as --spm-model, it is refused in one line."""
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_spm_pieces_missing_from_the_dictionary_become_unk(model_type, hf, spm_data, tmp_path):
+    """``fairseq-preprocess`` leaves pieces the training data never used out of ``dict.txt``, and
+    ``Dictionary.encode_line`` maps each to ``<unk>``: with a one-character and a longer piece of the
+    texts taken out of the dictionary, the exported tokenizer (``TsTokenizerFast``, the model found next
+    to ``dict.txt`` or passed as ``--spm-model``) still gives fairseq's ids, one ``<unk>`` per such piece."""
+    import sentencepiece as spm
+
+    spm_path = spm_data["lm"] / "spm.model" if model_type == "unigram" else spm_data["mlm-bpe"] / "spm.model"
+    processor = spm.SentencePieceProcessor(model_file=str(spm_path))
     data = tmp_path / "data"
-    shutil.copytree(spm_data["lm"], data)
-    lines = (data / "dict.txt").read_text().splitlines()
-    last = max(i for i, line in enumerate(lines) if not line.startswith("madeupword"))
-    unused = lines[last].split()[0]
-    lines[last] = "not-a-piece 1"
-    (data / "dict.txt").write_text("\n".join(lines) + "\n")
+    data.mkdir()
+    shutil.copy(spm_path, data / "spm.model")
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())
+              if not (processor.is_control(i) or processor.is_unknown(i))]
+    used = [p for text in SPM_TEXTS for p in processor.encode(text, out_type=str)]
+    short = next(p for p in used if len(p) == 1 and p in pieces)
+    long = next(p for p in used if len(p.lstrip("▁")) >= 3 and p in pieces)
+    (data / "dict.txt").write_text("".join(f"{p} 1\n" for p in pieces if p not in (short, long)))
     d = Dictionary.load(str(data / "dict.txt"))
     model, a = build_lm(d, decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=1)
     ckpt = str(save_checkpoint(model, a, tmp_path / "c.pt", data=data))
-    with caplog.at_level(logging.WARNING):
-        written = export_hf(ckpt, str(tmp_path / "auto"))
-    assert "tokenizer.json" not in written and not (tmp_path / "auto" / "tokenizer.json").exists()
-    assert f"(e.g. {unused!r})" in caplog.text and "No tokenizer" in (tmp_path / "auto" / "README.md").read_text()
-    with pytest.raises(TsConfigError, match="are not in the model's dictionary") as info:
-        export_hf(ckpt, str(tmp_path / "explicit"), spm_model=str(data / "spm.model"))
-    assert "\n" not in str(info.value) and not (tmp_path / "explicit").exists()
+    expected = [[d.eos()] + d.encode_line(" ".join(processor.encode(text, out_type=str)),
+                                          add_if_not_exist=False).tolist()[:-1] for text in SPM_TEXTS]
+    assert sum(ids.count(d.unk()) for ids in expected) >= 2
+    for name, options in (("auto", {}), ("explicit", {"spm_model": str(data / "spm.model")})):
+        written = export_hf(ckpt, str(tmp_path / name), **options)
+        assert {"tokenizer.json", "tokenization_ts.py"} <= set(written)
+        assert [g["ids"] for g in hf.tokenize(folder=str(tmp_path / name), texts=SPM_TEXTS)] == expected
 
 
 def test_bad_inputs_one_line_nothing_overwritten(tmp_path):

@@ -9,9 +9,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.rendezvous import leave_process_group
+from tests.rendezvous import leave_process_group, start_ranks
 
 EXPERTS, DIM = 4, 8
 TOKENS = (6, 11)
@@ -63,4 +62,4 @@ def worker(rank: int, init_method: str) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)
+    start_ranks(worker, (sys.argv[1],), 2)

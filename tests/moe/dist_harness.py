@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from tests.rendezvous import leave_process_group, rendezvous_url
+from tests.rendezvous import leave_process_group, rendezvous_url, start_ranks
 
 USER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "torchscale_fairseq")
@@ -117,7 +116,7 @@ def main(argv: list[str]) -> None:
     if world == 1:
         worker(0, 1, init_method, out, data, extra)
     else:
-        mp.spawn(worker, args=(world, init_method, out, data, extra), nprocs=world)
+        start_ranks(worker, (world, init_method, out, data, extra), world, os.environ.get("TS_HARNESS_DEVICE", "cpu"))
 
 
 if __name__ == "__main__":

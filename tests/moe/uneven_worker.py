@@ -10,9 +10,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.rendezvous import leave_process_group
+from tests.rendezvous import leave_process_group, start_ranks
 
 
 def worker(rank: int, init_method: str) -> None:
@@ -39,4 +38,4 @@ def worker(rank: int, init_method: str) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)
+    start_ranks(worker, (sys.argv[1],), 2)

@@ -14,9 +14,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.rendezvous import leave_process_group
+from tests.rendezvous import leave_process_group, start_ranks
 
 WORLD, EPOCH_LEN, FULL, STOP = 2, 3, 8, 5
 
@@ -67,4 +66,4 @@ def worker(rank: int, data: str, out: str, init_method: str) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], sys.argv[2], sys.argv[3]), nprocs=WORLD)
+    start_ranks(worker, (sys.argv[1], sys.argv[2], sys.argv[3]), WORLD)

@@ -23,6 +23,7 @@ A ``ts_lm``'s texts start with ``</s>``, as fairseq feeds a language model; a ``
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 # sentencepiece_model.proto: ModelType UNIGRAM, BPE; piece types NORMAL, USER_DEFINED, BYTE
 UNIGRAM, BPE = 1, 2
 NORMAL, USER_DEFINED, BYTE = 1, 4, 6
+MADE_UP_WORD = re.compile(r"madeupword\d+")  # fairseq's padding of a dictionary to a multiple (--padding-factor)
 
 
 def is_gpt2_dictionary(dictionary: Dictionary) -> bool:
@@ -109,10 +111,12 @@ def save_gpt2_tokenizer(dictionary: Dictionary, out: Path, max_length: int) -> l
 
 
 def _save(backend: Any, dictionary: Dictionary, specials: list[str] | tuple[str, ...], kind: str, out: Path,
-          max_length: int) -> list[str]:
+          max_length: int, unused_pieces: bool = False) -> list[str]:
     """Add the ``kind``'s framing (``</s> text`` for an LM, ``<s> text </s>`` for a masked LM, ``text </s>``
     for a translation model's source) and the
-    special tokens to the ``tokenizers`` object ``backend``; save it as a transformers tokenizer into ``out``."""
+    special tokens to the ``tokenizers`` object ``backend``; save it as a transformers tokenizer into ``out``.
+    With ``unused_pieces`` (backend ids from ``len(dictionary)`` on are pieces fairseq maps to ``<unk>``),
+    the tokenizer is :class:`TsTokenizerFast`, saved with its code (``tokenization_ts.py``)."""
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -127,11 +131,20 @@ def _save(backend: Any, dictionary: Dictionary, specials: list[str] | tuple[str,
         single=single, pair=pair, special_tokens=[(s, dictionary.index(s)) for s in dict.fromkeys((bos, eos))])
     backend.add_special_tokens([AddedToken(s, special=True) for s in specials])
     extra = {"mask_token": MASK_SYMBOL} if kind == "mlm" and MASK_SYMBOL in dictionary.indices else {}
-    tokenizer = PreTrainedTokenizerFast(
+    if unused_pieces:
+        from torchscale_fairseq.interop.hf_modeling.tokenization_ts import TsTokenizerFast
+
+        extra["dictionary_size"] = len(dictionary)
+        tokenizer_class = TsTokenizerFast
+        tokenizer_class.register_for_auto_class("AutoTokenizer")
+    else:
+        tokenizer_class = PreTrainedTokenizerFast
+    tokenizer = tokenizer_class(
         tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=dictionary.pad_word,
         unk_token=dictionary.unk_word, model_max_length=max_length, **extra,
     )
-    return [Path(p).name for p in tokenizer.save_pretrained(str(out))]
+    written = [Path(p).name for p in tokenizer.save_pretrained(str(out))]
+    return written + (["tokenization_ts.py"] if unused_pieces and "tokenization_ts.py" not in written else [])
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -196,18 +209,21 @@ def read_spm_model(path: Path) -> SpmModel:
     return model
 
 
-def _spm_backend(spm: SpmModel, dictionary: Dictionary, normal: dict[str, tuple[float, int]]) -> Any:
+def _spm_backend(spm: SpmModel, dictionary: Dictionary, normal: dict[str, tuple[float, int]],
+                 unused: list[str]) -> Any:
     """The ``tokenizers`` model, normalizer, pre-tokenizer and decoder of ``spm`` (as transformers'
-    ``SpmConverter`` builds them, in SentencePiece's order), ids from ``dictionary``."""
+    ``SpmConverter`` builds them, in SentencePiece's order), ids from ``dictionary``; the ``unused``
+    pieces (not in the dictionary) follow at ``len(dictionary)`` on, so the segmentation is the model's."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+    symbols = [*dictionary.symbols, *unused]
     if spm.model_type == UNIGRAM:
-        vocab = [(s, normal[s][0] if s in normal else 0.0) for s in dictionary.symbols]
+        vocab = [(s, normal[s][0] if s in normal else 0.0) for s in symbols]
         backend = Tokenizer(models.Unigram(vocab, unk_id=dictionary.unk()))
     else:  # BPE merges: every split of a piece into two pieces, ranked by the piece's score, then id
         ranked = sorted((-score, i, piece[:k], piece[k:]) for piece, (score, i) in normal.items()
                         for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal)
-        backend = Tokenizer(models.BPE({s: i for i, s in enumerate(dictionary.symbols)},
+        backend = Tokenizer(models.BPE({s: i for i, s in enumerate(symbols)},
                                        [(a, b) for _, _, a, b in ranked], unk_token=dictionary.unk_word,
                                        fuse_unk=True))
     steps = [normalizers.Precompiled(spm.charsmap)] if spm.charsmap else []
@@ -235,11 +251,13 @@ def save_spm_tokenizer(dictionary: Dictionary, model_path: Path, kind: str, out:
         raise TsConfigError(f"SentencePiece model {model_path} has byte-fallback or user-defined pieces, which "
                             "data_prep never trains: no tokenizer can be exported for it")
     normal = {piece: (score, i) for i, (piece, score, type_) in enumerate(spm.pieces) if type_ == NORMAL}
-    missing = [piece for piece in normal if piece not in dictionary.indices]
-    if missing:
-        raise TsConfigError(f"{len(missing)} of the {len(normal)} pieces of SentencePiece model {model_path} "
-                            f"(e.g. {missing[0]!r}) are not in the model's dictionary (another model's, or pieces "
-                            "the training data never used, which fairseq maps to <unk> and a tokenizer.json cannot): "
-                            "pass the SentencePiece model the dictionary was built from (--spm-model)")
+    foreign = [s for s in dictionary.symbols[dictionary.nspecial:]
+               if s not in normal and s != MASK_SYMBOL and not MADE_UP_WORD.fullmatch(s)]
+    if foreign:
+        raise TsConfigError(f"{len(foreign)} symbols of the model's dictionary (e.g. {foreign[0]!r}) are not pieces "
+                            f"of SentencePiece model {model_path}: pass the SentencePiece model the dictionary was "
+                            "built from (--spm-model)")
+    unused = [piece for piece in normal if piece not in dictionary.indices]  # fairseq: <unk>
     specials = [s for s in dictionary.symbols if s not in normal]
-    return _save(_spm_backend(spm, dictionary, normal), dictionary, specials, kind, out, max_length)
+    return _save(_spm_backend(spm, dictionary, normal, unused), dictionary, specials, kind, out, max_length,
+                 unused_pieces=bool(unused))
