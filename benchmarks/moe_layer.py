@@ -19,8 +19,9 @@ Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12]
 on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``). The
 last line, ``RESULT``, gives the median ratio at every E and the verdict against ``--target``
 (1.25) at the worst E.
-The experts run one ``addmm`` per expert (``GroupedLinear``) on every device: PyTorch's
-``torch._grouped_mm`` is not used.
+``--expert-gemm``: ``auto`` (the layer's default: ``torch._grouped_mm`` on a Hopper GPU in bf16
+once its probe passed, one ``addmm`` per expert elsewhere), ``grouped`` or ``loop`` (forced; the CPU
+runs ``torch._grouped_mm`` too, as a loop of GEMMs inside PyTorch).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--skip-one-hot-above", type=int, default=256, help="skip the einsum reference above this E")
     parser.add_argument("--target", type=float, default=1.25, help="largest ratio (median) to 2x dense that passes")
+    parser.add_argument("--expert-gemm", default="auto", choices=["auto", "grouped", "loop"],
+                        help="the experts' GEMMs: the layer's choice, torch._grouped_mm, or one per expert")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -117,9 +120,12 @@ def main() -> None:
     dense = FeedForwardNetwork(args.dim, args.ffn).to(**place)
     print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
           f"T={args.tokens} d={args.dim} "
-          f"ffn={args.ffn} top-2 cf=1.0 | zero_grad(set_to_none=True) for all | {args.repeats} interleaved runs")
+          f"ffn={args.ffn} top-2 cf=1.0 | expert GEMMs {args.expert_gemm} | zero_grad(set_to_none=True) for all | "
+          f"{args.repeats} interleaved runs")
     layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
                           args.dim, args.ffn).to(**place) for e in args.experts}
+    for layer in layers.values():
+        layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[args.expert_gemm]
     samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
     best = [min(t) for t in samples]
     median = [statistics.median(t) for t in samples]

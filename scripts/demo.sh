@@ -69,6 +69,7 @@ NMT_DROPOUT="${NMT_DROPOUT:-0.0}"
 NMT_BEAM="${NMT_BEAM:-4}"
 # fairseq-generate --no-repeat-ngram-size (0: off; works on CPU through torchscale_fairseq/compat/ngram_repeat_block.py).
 NMT_NO_REPEAT_NGRAM="${NMT_NO_REPEAT_NGRAM:-3}"
+NMT_MAX_LEN_B="${NMT_MAX_LEN_B:-40}"   # fairseq-generate's and the transformers translation's --max-len-b
 PLOT_DIR="${PLOT_DIR:-checkpoints/demo_plots}"
 
 PY="$VENV/bin/python"
@@ -175,7 +176,7 @@ nmt_train() {
 # Step 5, second half: BLEU / chrF of the model and of copying the source (sets BLEU, CHRF, BLEU_SIGNATURE, COPY_*).
 nmt_report() {
   say "BLEU and chrF on the held-out test set"
-  SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" BEAM="$NMT_BEAM" VENV="$VENV" \
+  SCALE=tiny DATA="$NMT_DATA" SAVE_DIR="$NMT_SAVE_DIR" BEAM="$NMT_BEAM" MAX_LEN_B="$NMT_MAX_LEN_B" VENV="$VENV" \
     EXTRA_ARGS="--no-repeat-ngram-size $NMT_NO_REPEAT_NGRAM" \
     bash "$ROOT/scripts/nmt/evaluate.sh"
   BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/bleu_test.txt")"
@@ -185,6 +186,22 @@ nmt_report() {
     --scores-out "$NMT_SAVE_DIR/copy_source_test.txt" > /dev/null
   COPY_BLEU="$(sed -n 's/^bleu \(.*\)/\1/p' "$NMT_SAVE_DIR/copy_source_test.txt")"
   COPY_CHRF="$(sed -n 's/^chrf \(.*\)/\1/p' "$NMT_SAVE_DIR/copy_source_test.txt")"
+}
+
+# Step 5, last: the translation model exported to transformers, one test verse translated through it
+# (its tokenizer and generate(), the evaluation's beam and n-gram blocking; sets NMT_HF_*).
+nmt_export() {
+  local hf="$NMT_SAVE_DIR/hf" staging="$NMT_SAVE_DIR/hf.export"
+  say "exporting the translation model to transformers ($hf) and translating a test verse with it"
+  rm -rf "$staging"
+  "$VENV/bin/ts-export-hf" "$NMT_SAVE_DIR/checkpoint_best.pt" "$staging" > "$NMT_SAVE_DIR/export.log" 2>&1 \
+    || { tail -n 5 "$NMT_SAVE_DIR/export.log" >&2; echo "[demo] error: ts-export-hf failed; see $NMT_SAVE_DIR/export.log" >&2; exit 1; }
+  rm -rf "$hf" && mv "$staging" "$hf"   # the demo's own export of an earlier run: replaced by this checkpoint's
+  NMT_HF_SOURCE="$(head -n 1 "$NMT_DATA/raw/test.en")"
+  NMT_HF_ARGS=(--folder "$hf" --beam "$NMT_BEAM" --max-len-a 1.2 --max-len-b "$NMT_MAX_LEN_B" --no-repeat-ngram-size "$NMT_NO_REPEAT_NGRAM")
+  NMT_HF_TRANSLATION="$("$PY" -m torchscale_fairseq.interop.hf_translate "${NMT_HF_ARGS[@]}" --text "$NMT_HF_SOURCE" \
+    2> "$NMT_SAVE_DIR/hf_translate.log")" \
+    || { tail -n 5 "$NMT_SAVE_DIR/hf_translate.log" >&2; echo "[demo] error: translating through transformers failed; see $NMT_SAVE_DIR/hf_translate.log" >&2; exit 1; }
 }
 
 # Steps 2-5. With NMT=1 and PARALLEL=1 (default) the translation model trains beside the language model,
@@ -214,6 +231,7 @@ if [ "$NMT" = 1 ]; then
     nmt_train
   fi
   nmt_report
+  nmt_export
   PLOT_LOGS+=("$NMT_SAVE_DIR/train.log")
 fi
 say "plots into $PLOT_DIR"
@@ -234,6 +252,10 @@ if [ "$NMT" = 1 ]; then
   echo "nmt model:   X-MoE $NMT_ARCH, $NMT_EXPERTS experts, SparseClip, $NMT_SAVE_DIR"
   echo "nmt test:    BLEU $BLEU, chrF $CHRF on the held-out test verses ($NMT_SAVE_DIR/bleu_test.txt; sacrebleu ${BLEU_SIGNATURE:-?})"
   echo "baseline:    BLEU $COPY_BLEU, chrF $COPY_CHRF for copying the English verse unchanged (shared names and numbers only)"
+  echo "nmt export:  $NMT_SAVE_DIR/hf, in Python: AutoModelForSeq2SeqLM / AutoTokenizer.from_pretrained(folder, trust_remote_code=True)"
+  echo "             translate: $PY -m torchscale_fairseq.interop.hf_translate ${NMT_HF_ARGS[*]} --text \"TEXT\""
+  echo "through transformers: $NMT_HF_SOURCE"
+  echo "          -> $NMT_HF_TRANSLATION"
 fi
 echo "plots:       $PLOT_DIR/*.png"
 echo "wall time:   $((SECONDS / 60)) min $((SECONDS % 60)) s (setup, data, training, evaluation)"

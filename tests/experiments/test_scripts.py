@@ -133,7 +133,7 @@ def test_unigram_baseline_is_the_add_one_formula() -> None:
     assert ppl == pytest.approx(math.exp(-(math.log(3 / 7) + math.log(2 / 7)) / 2))
 
 
-def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path]) -> None:
+def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path], capsys) -> None:
     """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, installed venv reused."""
     root = runs["lm_dense"].parent
     env = _env(SKIP_INSTALL="1", DATA_DIR=str(root / "lm-bin"), SAVE_DIR=str(root / "demo_lm"), MAX_UPDATE="3",
@@ -151,6 +151,18 @@ def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path]) -
     copy_bleu, copy_chrf = (round(m(EN[-4:], [ES[-4:]]).score, 2) for m in (sacrebleu.corpus_bleu, sacrebleu.corpus_chrf))
     assert f"BLEU {copy_bleu}, chrF {copy_chrf} for copying the English verse" in summary["baseline"]
     assert "nrefs:1" in summary["nmt test"]
+    # the demo's transformers export: it translated the first test verse through its tokenizer, and on the
+    # whole test split (fairseq-generate's batches, whose width sets the length limit) it gives the
+    # hypotheses of the demo's fairseq-generate run (beam, n-gram blocking and limits of the evaluation)
+    from data_prep.score_nmt import read_hypotheses
+    from torchscale_fairseq.interop import hf_translate
+
+    [source, translation] = proc.stdout.split("through transformers: ")[1].splitlines()[:2]
+    assert source == EN[-4] and translation.startswith("          -> ") and translation.strip() != "->"
+    hf_translate.main(["--folder", str(root / "demo_nmt" / "hf"), "--data", str(root / "nmt-bin"), "--beam", "1",
+                       "--max-len-a", "1.2", "--max-len-b", "40", "--no-repeat-ngram-size", "3"])
+    (root / "hf_generate.txt").write_text(capsys.readouterr().out)
+    assert read_hypotheses(root / "hf_generate.txt") == read_hypotheses(root / "demo_nmt" / "generate_test.txt")
     assert sorted(p.name for p in (root / "demo_plots").iterdir()) == ["clipping.png", "routing_entropy.png",
                                                                          "valid_ppl.png"]
 

@@ -462,10 +462,11 @@ def test_spm_tokenizer_gives_prepare_nmt_ids(hf, nmt_data, tmp_path):
     assert [g["ids"] for g in hf.tokenize(folder=str(tmp_path / "hf"), texts=raw)] == binarized
 
 
-def test_hf_translate_is_fairseq_generate(nmt_data, tmp_path, capsys):
+@pytest.mark.parametrize("no_repeat", [0, 2])
+def test_hf_translate_is_fairseq_generate(no_repeat, nmt_data, tmp_path, capsys):
     """``python -m torchscale_fairseq.interop.hf_translate`` translates a ``prepare_nmt`` split with the
-    exported model as ``fairseq-generate`` does (its batches, beam 5, ``--lenpen 0.6``, ``--max-len-a`` / ``--max-len-b``),
-    in the output format ``data_prep.score_nmt`` reads, which scores it."""
+    exported model as ``fairseq-generate`` does (its batches, beam 5, ``--lenpen 0.6``, ``--max-len-a`` / ``--max-len-b``,
+    ``--no-repeat-ngram-size``), in the output format ``data_prep.score_nmt`` reads, which scores it."""
     from data_prep import score_nmt
     from torchscale_fairseq.interop import hf_translate
 
@@ -473,10 +474,12 @@ def test_hf_translate_is_fairseq_generate(nmt_data, tmp_path, capsys):
     model, a = build_mt(d, d, share_all_embeddings=True, encoder_layers=1, decoder_layers=1)
     export_hf(str(save_checkpoint(model, a, tmp_path / "c.pt")), str(tmp_path / "hf"))
     hf_translate.main(["--folder", str(tmp_path / "hf"), "--data", str(nmt_data), "--subset", "valid",
-                       "--max-len-a", "1.2", "--max-len-b", "3", "--max-tokens", "40", "--lenpen", "0.6"])
+                       "--max-len-a", "1.2", "--max-len-b", "3", "--max-tokens", "40", "--lenpen", "0.6",
+                       "--no-repeat-ngram-size", str(no_repeat)])
     (tmp_path / "generate.txt").write_text(capsys.readouterr().out)
     got = score_nmt.read_hypotheses(tmp_path / "generate.txt")
-    gen = SequenceGenerator([model], d, beam_size=5, max_len_a=1.2, max_len_b=3, len_penalty=0.6)
+    gen = SequenceGenerator([model], d, beam_size=5, max_len_a=1.2, max_len_b=3, len_penalty=0.6,
+                            no_repeat_ngram_size=no_repeat)
     expected = {}
     for ids, source in hf_translate.batches(str(nmt_data), "valid", "en", "es", 40):
         sample = {"net_input": {"src_tokens": source, "src_lengths": source.ne(d.pad()).sum(1)}}
@@ -486,6 +489,33 @@ def test_hf_translate_is_fairseq_generate(nmt_data, tmp_path, capsys):
     score_nmt.main(["--generate-output", str(tmp_path / "generate.txt"), "--spm-model", str(nmt_data / "spm.model"),
                     "--reference", str(nmt_data / "raw" / "valid.es")])
     assert capsys.readouterr().out.startswith("bleu ")
+
+
+def test_hf_translate_raw_text_is_fairseq(nmt_data, tmp_path, capsys):
+    """``hf_translate --text``: raw text through the exported tokenizer and model gives the text fairseq gives
+    (SentencePiece pieces, ``Dictionary.encode_line``, ``SequenceGenerator`` with beam 4 and
+    ``no_repeat_ngram_size`` 3 as the demo evaluates, pieces decoded by SentencePiece)."""
+    import sentencepiece as spm
+
+    d = Dictionary.load(str(nmt_data / "dict.en.txt"))
+    model, a = build_mt(d, d, share_all_embeddings=True, encoder_layers=1, decoder_layers=1)
+    checkpoint = save_checkpoint(model, a, tmp_path / "c.pt", data=nmt_data, source_lang="en", target_lang="es")
+    export_hf(str(checkpoint), str(tmp_path / "hf"))
+    texts = [line for line in (nmt_data / "raw" / "test.en").read_text().splitlines() if line.strip()][:3]
+    from torchscale_fairseq.interop import hf_translate
+
+    hf_translate.main(["--folder", str(tmp_path / "hf"), *(x for t in texts for x in ("--text", t)), "--beam", "4",
+                       "--max-len-b", "6", "--no-repeat-ngram-size", "3"])
+    got = capsys.readouterr().out.splitlines()
+    processor = spm.SentencePieceProcessor(model_file=str(nmt_data / "spm.model"))
+    gen = SequenceGenerator([model], d, beam_size=4, max_len_b=6, no_repeat_ngram_size=3)
+    expected = []
+    for text in texts:
+        source = d.encode_line(" ".join(processor.encode(text, out_type=str)), add_if_not_exist=False).long()
+        sample = {"net_input": {"src_tokens": source[None], "src_lengths": torch.tensor([len(source)])}}
+        [hypos] = gen.generate([model], sample)
+        expected.append(processor.decode(d.string(hypos[0]["tokens"]).split()))
+    assert got == expected
 
 
 def test_spm_tokenizer_bad_inputs_one_line(spm_data, tmp_path):

@@ -12,6 +12,10 @@ Run from the repository root::
 
     python -m torchscale_fairseq.interop.hf_translate --folder hf_nmt --data data-bin/kjv_sparv_spm \\
         --subset test --beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 256 > generate_hf_test.txt
+
+With ``--text`` (repeatable) it translates raw text instead, through the folder's own tokenizer (the
+SentencePiece one ``ts-export-hf`` writes for ``prepare_nmt`` data), one translation per line.
+``--no-repeat-ngram-size N`` blocks repeated n-grams as fairseq-generate's option of that name does.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ def batches(data: str, subset: str, source_lang: str, target_lang: str,
 
 
 def translate(model: Any, source: torch.Tensor, beam: int, lenpen: float, max_len_a: float,
-              max_len_b: int) -> tuple[list[list[int]], list[float]]:
+              max_len_b: int, no_repeat_ngram_size: int = 0) -> tuple[list[list[int]], list[float]]:
     """The best hypothesis (tokens up to and with ``</s>``) and its score per row of ``source`` (beam search's:
-    the sum of its log-probabilities over its length ** ``lenpen``; NaN for greedy search, ``beam`` 1)."""
+    the sum of its log-probabilities over its length ** ``lenpen``; NaN for greedy search, ``beam`` 1);
+    ``no_repeat_ngram_size`` > 0 bans every token that would repeat an n-gram of the hypothesis."""
     from transformers import LogitsProcessorList
 
     eos = model.generation_config.eos_token_id
@@ -83,6 +88,7 @@ def translate(model: Any, source: torch.Tensor, beam: int, lenpen: float, max_le
     with torch.no_grad():
         out = model.generate(source, num_beams=beam, length_penalty=lenpen, max_new_tokens=total + 1,
                              logits_processor=LogitsProcessorList([forcing(source[:, :0], total, beam, eos)]),
+                             no_repeat_ngram_size=no_repeat_ngram_size or None,
                              return_dict_in_generate=True, output_scores=beam > 1)
     tokens = hypotheses(out.sequences, eos)
     return tokens, out.sequences_scores.tolist() if beam > 1 else [math.nan] * len(tokens)
@@ -91,7 +97,9 @@ def translate(model: Any, source: torch.Tensor, beam: int, lenpen: float, max_le
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", required=True, help="the ts-export-hf folder of a ts_transformer")
-    parser.add_argument("--data", required=True, help="the binarized data directory (dict.*.txt, SUBSET.SRC-TGT.*)")
+    parser.add_argument("--data", help="the binarized data directory (dict.*.txt, SUBSET.SRC-TGT.*)")
+    parser.add_argument("--text", action="append", help="raw text to translate with the folder's tokenizer "
+                        "(repeatable) instead of a binarized split")
     parser.add_argument("--subset", default="test")
     parser.add_argument("--source-lang", default="en")
     parser.add_argument("--target-lang", default="es")
@@ -100,20 +108,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-len-a", type=float, default=0.0)
     parser.add_argument("--max-len-b", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=8192)
-    return parser.parse_args(argv)
+    parser.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    args = parser.parse_args(argv)
+    if (args.data is None) == (args.text is None):
+        parser.error("give --data (a binarized split) or --text (raw text), not both and not neither")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Print ``H-<id>\\t<score>\\t<target pieces>`` per sentence, as fairseq-generate does
-    (the score in base 2, as it prints it)."""
+    (the score in base 2, as it prints it); with ``--text``, each text's translation."""
     from fairseq.data import Dictionary
     from transformers import AutoModelForSeq2SeqLM
 
     args = parse_args(argv)
+    search = (args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.no_repeat_ngram_size)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.folder, trust_remote_code=True).eval()
+    if args.text is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.folder, trust_remote_code=True)
+        for text in args.text:
+            [hyp], _ = translate(model, tokenizer(text, return_tensors="pt").input_ids, *search)
+            sys.stdout.write(tokenizer.decode(hyp, skip_special_tokens=True) + "\n")
+        return
     tgt_dict = Dictionary.load(f"{args.data}/dict.{args.target_lang}.txt")
     for ids, source in batches(args.data, args.subset, args.source_lang, args.target_lang, args.max_tokens):
-        tokens, scores = translate(model, source, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
+        tokens, scores = translate(model, source, *search)
         for sent_id, hyp, score in zip(ids, tokens, scores):
             sys.stdout.write(f"H-{sent_id}\t{score / math.log(2):.6f}\t{tgt_dict.string(torch.tensor(hyp))}\n")
 

@@ -7,6 +7,12 @@ the padded ``(E, C, d)`` layout holds ``2T`` rows whatever the routing, and at E
 about a tenth of them are empty slots (experts below their capacity); a grouped GEMM
 (one GEMM per expert, as Megatron-LM's ``SequentialMLP``) skips them.
 
+On a Hopper GPU in bf16 the three GEMMs of each projection run as one grouped GEMM each
+(``torch._grouped_mm``, CUTLASS: one kernel for all experts instead of one launch per expert, as
+Megatron-core's ``GroupedMLP`` and TorchTitan do), once a probe on small operands with the layer's
+feature sizes has checked it against the loop (:func:`grouped_mm_fits`); elsewhere, and on CPU,
+where ``torch._grouped_mm`` is itself a loop of GEMMs, the loop below runs.
+
 Each projection ``y_r = b_e + x_r W_e`` is a :class:`GroupedLinear` with backward
 ``dx_r = dy_r W_e^T``, ``dW_e = sum_r x_r^T dy_r``, ``db_e = sum_r dy_r`` over the rows of
 expert ``e`` (zero for an expert without rows). ``dW`` is as large as the expert weights
@@ -42,6 +48,8 @@ draws its full weights and keeps its shard).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import math
 
 import torch
@@ -56,6 +64,8 @@ from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.modules.feedforward import activate, check_activation
+
+logger = logging.getLogger(__name__)
 
 
 class GradBuffers:
@@ -93,13 +103,20 @@ def _groups(counts: list[int]):
 
 class GroupedLinear(torch.autograd.Function):
     """``y_r = b_e + x_r W_e`` for the rows ``r`` of expert ``e``: ``x`` (N, d_in) grouped by
-    ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out) or ``None`` (no bias)."""
+    ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out) or ``None`` (no bias). ``grouped``: the
+    GEMMs as ``torch._grouped_mm`` calls (group ends ``offs``), else one per expert."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
-                buffers: GradBuffers, name: str) -> torch.Tensor:
+                buffers: GradBuffers, name: str, grouped: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.buffers, ctx.name = counts, buffers, name
+        ctx.counts, ctx.buffers, ctx.name, ctx.grouped = counts, buffers, name, grouped
+        if grouped:
+            ctx.offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device)
+            ctx.row_expert = torch.repeat_interleave(
+                torch.arange(len(counts), device=x.device), torch.tensor(counts).to(x.device), output_size=x.size(0))
+            out = torch._grouped_mm(x, weight, offs=ctx.offs)
+            return out if bias is None else out.add_(bias[ctx.row_expert])
         out = x.new_empty(x.size(0), weight.size(2))
         for e, lo, hi in _groups(counts):
             if bias is None:
@@ -113,9 +130,15 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
-        dx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-        dw = ctx.buffers.empty(ctx.name, weight) if ctx.needs_input_grad[1] else None
-        db = grad.new_zeros(weight.size(0), weight.size(2)) if ctx.needs_input_grad[2] else None
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if ctx.grouped:
+            dx = torch._grouped_mm(grad, weight.transpose(1, 2), offs=ctx.offs) if need_dx else None
+            dw = torch._grouped_mm(x.t(), grad, offs=ctx.offs) if need_dw else None  # empty groups: zero
+            db = grad.new_zeros(weight.size(0), weight.size(2)).index_add_(0, ctx.row_expert, grad) if need_db else None
+            return dx, dw, db, None, None, None, None
+        dx = x.new_empty(x.shape) if need_dx else None
+        dw = ctx.buffers.empty(ctx.name, weight) if need_dw else None
+        db = grad.new_zeros(weight.size(0), weight.size(2)) if need_db else None
         if dw is not None and 0 in ctx.counts:
             dw.zero_()
         for e, lo, hi in _groups(ctx.counts):
@@ -125,7 +148,45 @@ class GroupedLinear(torch.autograd.Function):
                 torch.mm(x[lo:hi].t(), grad[lo:hi], out=dw[e])
             if db is not None:
                 torch.sum(grad[lo:hi], 0, out=db[e])
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
+
+
+_GROUPED_MM_PROBES: dict[tuple, bool] = {}
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :class:`GroupedLinear` runs ``torch._grouped_mm`` for these operands: a CUDA device
+    of compute capability >= 9.0 (Hopper: CUTLASS grouped GEMM), bf16, 16-byte rows (``d_in``,
+    ``d_out`` multiples of 8), and a probe with those feature sizes (three experts, one without
+    rows) equal to the loop in forward and backward; a probe that fails says so once and the loop runs."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and weight.size(1) % 8 == 0 and weight.size(2) % 8 == 0):
+        return False
+    key = (x.device, weight.size(1), weight.size(2))
+    if key not in _GROUPED_MM_PROBES:
+        _GROUPED_MM_PROBES[key] = _probe_grouped_mm(x.device, weight.size(1), weight.size(2))
+    return _GROUPED_MM_PROBES[key]
+
+
+def _probe_grouped_mm(device: torch.device, d_in: int, d_out: int) -> bool:
+    counts, gen = [16, 0, 32], torch.Generator(device=device).manual_seed(0)
+    operands = [torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+                for shape in ((sum(counts), d_in), (3, d_in, d_out), (3, d_out))]
+    grad = torch.randn(sum(counts), d_out, device=device, generator=gen, dtype=torch.bfloat16)
+    results = []
+    try:
+        for grouped in (True, False):
+            out = GroupedLinear.apply(*operands, counts, GradBuffers(), "probe", grouped)
+            results.append([out, *torch.autograd.grad(out, operands, grad)])
+    except (RuntimeError, NotImplementedError) as err:
+        logger.warning("torch._grouped_mm refused the expert GEMMs (%s): one GEMM per expert instead",
+                       str(err).splitlines()[0])
+        return False
+    if all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(*results)):
+        return True
+    logger.warning("torch._grouped_mm differs from one GEMM per expert on this device: one GEMM per expert instead")
+    return False
 
 
 class GroupedAffine(torch.autograd.Function):
@@ -208,6 +269,7 @@ class GroupedExperts(nn.Module):
         self.ln_weight = nn.Parameter(torch.ones(num_local, shard)) if subln else None
         self.ln_bias = nn.Parameter(torch.zeros(num_local, shard)) if subln else None
         self.grad_buffers = GradBuffers()
+        self.grouped_mm: bool | None = None  # None: where grouped_mm_fits; True / False: always / never
         # every draw on the CPU (the base from the CPU default generator, the experts from CPU
         # generators), copied to the parameters' device: the same weights whatever the default device
         base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
@@ -237,8 +299,10 @@ class GroupedExperts(nn.Module):
         if len(counts) != self.fc1_weight.size(0) or sum(counts) != rows.size(0):
             raise ValueError(f"counts {len(counts)} experts / {sum(counts)} rows do not match "
                              f"{self.fc1_weight.size(0)} experts / {rows.size(0)} rows")
-        h = GroupedLinear.apply(rows, self.fc1_weight.to(rows.dtype), self.fc1_bias.to(rows.dtype), counts,
-                                self.grad_buffers, "fc1")
+        fc1, fc2 = self.fc1_weight.to(rows.dtype), self.fc2_weight.to(rows.dtype)
+        grouped = self.grouped_mm if self.grouped_mm is not None else (
+            grouped_mm_fits(rows, fc1) and grouped_mm_fits(rows, fc2))
+        h = GroupedLinear.apply(rows, fc1, self.fc1_bias.to(rows.dtype), counts, self.grad_buffers, "fc1", grouped)
         h = activate(h, self.activation)
         split = group_size(self.tp_group) > 1
         if self.activation_dropout > 0 and self.training:
@@ -248,8 +312,7 @@ class GroupedExperts(nn.Module):
             h = sharded_normalize(h, self.ffn_dim, self.layernorm_eps, self.tp_group)
             h = GroupedAffine.apply(h, self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype), counts)
         if not split:
-            return GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), self.fc2_bias.to(h.dtype), counts,
-                                       self.grad_buffers, "fc2")
-        partial = GroupedLinear.apply(h, self.fc2_weight.to(h.dtype), None, counts, self.grad_buffers, "fc2")
+            return GroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), counts, self.grad_buffers, "fc2", grouped)
+        partial = GroupedLinear.apply(h, fc2, None, counts, self.grad_buffers, "fc2", grouped)
         whole = reduce_from_tensor_parallel_region(partial, self.tp_group)
         return GroupedBias.apply(whole, self.fc2_bias.to(h.dtype), counts)

@@ -1,0 +1,50 @@
+"""The experts' grouped GEMM (``torch._grouped_mm``) on a Hopper GPU in bf16: chosen by default for
+the layer's sizes, and equal to one GEMM per expert (bf16 rounding) in the output and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.experts import GradBuffers, GroupedLinear, grouped_mm_fits
+from torchscale_fairseq.modules.moe.layer import MoELayer
+
+pytestmark = pytest.mark.gpu
+
+
+def test_grouped_mm_is_chosen_on_hopper_and_equals_the_loop():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's CUTLASS kernels need compute capability 9.0 (Hopper)")
+    torch.manual_seed(0)
+    counts = [300, 0, 700, 24]
+    x = torch.randn(sum(counts), 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), 512, 2048, device="cuda", dtype=torch.bfloat16) / 512**0.5
+    b = torch.randn(len(counts), 2048, device="cuda", dtype=torch.bfloat16)
+    assert grouped_mm_fits(x, w)
+    grad = torch.randn(sum(counts), 2048, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for grouped in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        out = GroupedLinear.apply(*leaves, counts, GradBuffers(), "fc", grouped)
+        results.append([out, *torch.autograd.grad(out, leaves, grad)])
+    for loop, grouped in zip(*results):
+        assert torch.allclose(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2 * loop.float().abs().max())
+
+
+def test_moe_layer_trains_with_grouped_experts_in_bf16():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's CUTLASS kernels need compute capability 9.0 (Hopper)")
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(expert_count=16, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
+                     512, 2048).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    outs = {}
+    for grouped in (False, True):
+        layer.experts.grouped_mm = grouped
+        layer.zero_grad(set_to_none=True)
+        y = layer(x)[0]
+        y.float().pow(2).mean().backward()
+        outs[grouped] = (y.float(), layer.experts.fc1_weight.grad.float())
+    assert torch.allclose(outs[True][0], outs[False][0], rtol=2e-2, atol=2e-2)
+    assert torch.allclose(outs[True][1], outs[False][1], rtol=5e-2, atol=5e-2 * outs[False][1].abs().max())
