@@ -45,3 +45,43 @@ def test_compiled_layers_train_like_eager():
     assert counters["stats"]["unique_graphs"] >= 1  # the layers did run through dynamo
     assert expected[-1] < expected[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_batch_size_and_right_padding_compile_once():
+    """An epoch's last batch is smaller, and right-padded rows are common: neither recompiles the layer
+    (the batch dimension is dynamic from the first step; right pads need no attention mask under causal
+    attention, the loss ignoring pad targets) nor breaks its graph, and the losses stay the eager ones."""
+    torch.set_num_threads(1)
+    d = dictionary()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(d.nspecial, len(d), (n, 17), generator=g) for n in (4, 4, 3)]
+    batches[1][1, 12:] = d.pad()  # a shorter sentence at the end of a block
+    batches[2][0, 9:] = d.pad()
+    torch.manual_seed(1)
+    eager = build("lm", d, decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64)
+    torch.manual_seed(1)
+    compiled = build("lm", d, decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, ts_compile=True)
+
+    def losses(model) -> list[float]:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        out = []
+        for tokens in batches:
+            logits, _ = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
+                                                     ignore_index=d.pad())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            out.append(float(loss))
+            if model is compiled and len(out) == 1:
+                graphs.append(counters["stats"]["unique_graphs"])
+        return out
+
+    graphs: list[int] = []
+    expected = losses(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    got = losses(compiled)
+    assert graphs[0] >= 1 and counters["stats"]["unique_graphs"] == graphs[0], "a later batch recompiled the layer"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)

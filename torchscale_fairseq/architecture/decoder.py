@@ -97,8 +97,17 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None
-        if not incremental and bool(prev_output_tokens.eq(self.padding_idx).any()):
-            padding_mask = prev_output_tokens.eq(self.padding_idx)
+        if not incremental:
+            pads = prev_output_tokens.eq(self.padding_idx)
+            # causal: trailing pads change no real token's output (the loss ignores pad targets);
+            # only a pad followed by a real token (left padding), or MoE routing, needs the mask
+            needs = pads if self.cfg.moe is not None else pads[:, :-1] & ~pads[:, 1:]
+            if bool(needs.any()):
+                padding_mask = pads
+        if self.cfg.compile_layers and not incremental:  # one graph for every batch size
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            if padding_mask is not None:
+                torch._dynamo.maybe_mark_dynamic(padding_mask, 0)
         t = 1 if incremental else prev_output_tokens.size(1)
         bias = self.rel_pos(t, offset + t, offset) if self.rel_pos is not None else None
         memory = memory_mask = None

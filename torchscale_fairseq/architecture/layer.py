@@ -13,6 +13,7 @@ recomputation repeats no routing statistics and no collective but its two all-to
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -78,6 +79,7 @@ class TransformerLayer(nn.Module):
         )
         self.final_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.checkpoint_activations = cfg.checkpoint_activations
+        self.compiled = False  # wrap_layer
         self.sequence_parallel = cfg.sequence_parallel
         if cfg.sequence_parallel:
             norms = [self.self_attn_layer_norm, self.final_layer_norm]
@@ -113,8 +115,10 @@ class TransformerLayer(nn.Module):
             memo = RecomputeMemo() if isinstance(self.ffn, MoELayer) else None
             return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
                               None, 0, memo, use_reentrant=False, context_fn=checkpoint_context)
-        return self._forward(x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                             incremental_state, offset)
+        # decoding runs eager: its KV-cache dict changes every step (a recompile per step and layer)
+        fn = _compiled_forward() if self.compiled and incremental_state is None else TransformerLayer._forward
+        return fn(self, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
+                  incremental_state, offset)
 
     def _forward(
         self,
@@ -150,9 +154,16 @@ class TransformerLayer(nn.Module):
 
 def wrap_layer(layer: nn.Module, cfg: StackConfig) -> nn.Module:
     """The layer as its stack runs it: with ``cfg.compile_layers`` (``--ts-compile``) its
-    forward is compiled in place by ``torch.compile`` (regional compilation: one graph per
-    layer, reused by the layers of the same shape, so compile time does not grow with depth).
-    Compiled in place, parameter names and checkpoints are those of the eager layer."""
+    training and scoring forward runs through one ``torch.compile`` of ``TransformerLayer._forward``
+    (regional compilation: one graph shared by the layers of the same shape, so compile time does not
+    grow with depth; incremental decoding stays eager, its cache changes every step). Parameter
+    names and checkpoints are those of the eager layer."""
     if cfg.compile_layers:
-        layer.compile()
+        layer.compiled = True
     return layer
+
+
+@functools.cache
+def _compiled_forward():
+    """``TransformerLayer._forward`` compiled once for all layers (``self`` is an argument)."""
+    return torch.compile(TransformerLayer._forward)

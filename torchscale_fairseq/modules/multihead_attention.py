@@ -177,7 +177,7 @@ class MultiheadAttention(nn.Module):
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         b, t, s = q.size(0), q.size(2), k.size(2)
         mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device)
-        is_causal = causal and mask is None and t == s and t > 1
+        is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
             out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal)

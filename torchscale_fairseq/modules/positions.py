@@ -55,7 +55,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = make_positions(tokens, self.padding_idx)
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        needed = self.padding_idx + 1 + tokens.size(1)  # bound on make_positions, no device sync
         if needed > self.table.size(0):
             self.table = self.build(needed, self.embedding_dim, self.padding_idx).to(self.table.device)
         return self.table[positions]
