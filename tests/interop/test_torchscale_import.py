@@ -50,12 +50,25 @@ def torchscale():
     return DecoderConfig, Decoder, EncoderDecoderConfig, EncoderDecoder
 
 
+# use_xmoe makes TorchScale's config pick the random second-expert policy, which samples in evaluation too
+DETERMINISTIC_XMOE = dict(use_xmoe=True, moe_second_expert_policy="all")
+
+
+def torchscale_config(config_class, **config):
+    """``config_class(**config)``, then every field of ``config`` set again (TorchScale's config
+    overrides some of them, e.g. the second-expert policy under ``use_xmoe``)."""
+    cfg = config_class(**config)
+    for name, value in config.items():
+        setattr(cfg, name, value)
+    cfg.dummy_a2a = True  # TorchScale's MoE all-to-all records CUDA events; one process exchanges nothing
+    return cfg
+
+
 def torchscale_decoder(torchscale, d: Dictionary, positions: str, **config):
     """A random TorchScale ``Decoder``; ``positions``: fairseq's ``learned`` or ``sinusoidal`` table, or ``none``."""
     DecoderConfig, Decoder, _, _ = torchscale
-    cfg = DecoderConfig(vocab_size=len(d), decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=64,
-                        decoder_layers=2, max_target_positions=64, **config)
-    cfg.dummy_a2a = True  # TorchScale's MoE all-to-all records CUDA events; one process exchanges nothing
+    cfg = torchscale_config(DecoderConfig, vocab_size=len(d), decoder_embed_dim=32, decoder_attention_heads=4,
+                            decoder_ffn_embed_dim=64, decoder_layers=2, max_target_positions=64, **config)
     torch.manual_seed(0)
     embed = nn.Embedding(len(d), 32, padding_idx=d.pad())
     nn.init.normal_(embed.weight, std=32**-0.5)
@@ -138,32 +151,71 @@ MOE_CASES = {  # no padding tokens (TorchScale routes them, ts_lm does not)
                                moe_eval_capacity_token_fraction=1.0),
     "top2-drops": dict(subln=True, moe_expert_count=4, moe_freq=1, moe_second_expert_policy="all"),
     "top1-deepnorm": dict(deepnorm=True, moe_expert_count=2, moe_freq=1, moe_top1_expert=True),
+    "xmoe-top2-subln": dict(subln=True, moe_expert_count=4, moe_freq=2, moe_eval_capacity_token_fraction=1.0,
+                            **DETERMINISTIC_XMOE),
+    "xmoe-top1-drops": dict(subln=True, moe_expert_count=4, moe_freq=1, moe_top1_expert=True, **DETERMINISTIC_XMOE),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
 def test_import_moe_matches_torchscale(case, torchscale_moe, tmp_path):
-    """TorchScale's MoE decoder (linear gate, all experts in one state_dict) in evaluation, with
-    and without dropped tokens (evaluation capacity ``ceil(fraction * T)``)."""
+    """TorchScale's MoE decoder (linear gate or ``use_xmoe``'s, all experts in one state_dict) in
+    evaluation, with and without dropped tokens (evaluation capacity ``ceil(fraction * T)``); an
+    imported ``use_xmoe`` model also after ``ts-export-hf``."""
     d = dictionary()
     decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", **MOE_CASES[case])
     tokens = torch.randint(d.nspecial, len(d), (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = decoder(tokens)[0]
     src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
-    import_torchscale(str(src), str(tmp_path / "ts_lm.pt"), str(data_dir(d, tmp_path / "data")))
+    flags = import_torchscale(str(src), str(tmp_path / "ts_lm.pt"), str(data_dir(d, tmp_path / "data")))
+    assert flags[flags.index("--moe-router") + 1] == ("torchscale_xmoe" if cfg.use_xmoe else "linear")
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ts_lm.pt")])
     with torch.no_grad():
         got = models[0].eval()(tokens)[0]
     assert (got - ref).abs().max().item() < 1e-5
+    if cfg.use_xmoe:
+        export_hf(str(tmp_path / "ts_lm.pt"), str(tmp_path / "hf"))
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+        with torch.no_grad():
+            assert (hf(tokens).logits - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("top1", [False, True], ids=["top2", "top1"])
+def test_torchscale_xmoe_router_trains_as_torchscale_gate(top1, torchscale_moe):
+    """In training, ``--moe-router torchscale_xmoe`` rescales its expert embeddings to norm 1.5 in
+    place and scores ``(W x) . e / |e|`` as TorchScale's ``use_xmoe`` gate does: the same scores,
+    embeddings and gradients from the same weights."""
+    from torchscale.component.xmoe.routing import Top1Gate, Top2Gate
+
+    from torchscale_fairseq.modules.moe.routers import build_router
+
+    torch.manual_seed(3)
+    gate = (Top1Gate(24, 6, use_xmoe=True) if top1 else Top2Gate(24, 6, use_xmoe=True)).train()
+    ours = build_router("torchscale_xmoe", 24, 6, 16, 0.0).train()
+    ours.load_state_dict({"proj.weight": gate.wg_reduction.weight.detach().clone(),
+                          "expert_embeddings": gate.wg.detach().clone()})
+    x = torch.randn(10, 24)
+    captured = []
+    gate._cosine = lambda mat1, mat2, cosine=gate._cosine: captured.append(cosine(mat1, mat2)) or captured[-1]
+    gate(x)
+    scores = ours(x)
+    torch.testing.assert_close(scores, captured[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.expert_embeddings, gate.wg, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(ours.expert_embeddings.norm(dim=1), torch.full((6,), 1.5))
+    weights = torch.randn(10, 6)
+    (captured[0] * weights).sum().backward()
+    (scores * weights).sum().backward()
+    for mine, theirs in ((ours.proj.weight, gate.wg_reduction.weight), (ours.expert_embeddings, gate.wg)):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_import_moe_refusals(torchscale_moe, tmp_path):
     d = dictionary()
     data = data_dir(d, tmp_path / "data")
-    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2, use_xmoe=True)
-    with pytest.raises(TsConfigError, match="use_xmoe: .* no temperature"):
-        import_torchscale(str(save_torchscale(decoder, cfg, tmp_path / "xmoe.pt")), str(tmp_path / "a.pt"), str(data))
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2, moe_gating_use_fp32=False)
+    with pytest.raises(TsConfigError, match="moe_gating_use_fp32 False"):
+        import_torchscale(str(save_torchscale(decoder, cfg, tmp_path / "fp16.pt")), str(tmp_path / "a.pt"), str(data))
     decoder, cfg = torchscale_decoder(torchscale_moe, d, "none", moe_expert_count=4, moe_freq=2)
     state = {k: v for k, v in decoder.state_dict().items() if ".experts.3." not in k}
     torch.save({"model": state, "args": dict(vars(cfg))}, tmp_path / "shard.pt")
@@ -175,11 +227,10 @@ def test_import_moe_refusals(torchscale_moe, tmp_path):
 def torchscale_encoder_decoder(torchscale, d: Dictionary, learned: bool, **config):
     """A random TorchScale ``EncoderDecoder`` (both sides with fairseq's learned table, or none)."""
     _, _, EncoderDecoderConfig, EncoderDecoder = torchscale
-    cfg = EncoderDecoderConfig(vocab_size=len(d), encoder_embed_dim=32, encoder_attention_heads=4,
-                               encoder_ffn_embed_dim=64, encoder_layers=2, decoder_embed_dim=32,
-                               decoder_attention_heads=4, decoder_ffn_embed_dim=64, decoder_layers=2,
-                               max_source_positions=64, max_target_positions=64, **config)
-    cfg.dummy_a2a = True
+    cfg = torchscale_config(EncoderDecoderConfig, vocab_size=len(d), encoder_embed_dim=32, encoder_attention_heads=4,
+                            encoder_ffn_embed_dim=64, encoder_layers=2, decoder_embed_dim=32,
+                            decoder_attention_heads=4, decoder_ffn_embed_dim=64, decoder_layers=2,
+                            max_source_positions=64, max_target_positions=64, **config)
     torch.manual_seed(0)
     embeds = [nn.Embedding(len(d), 32, padding_idx=d.pad()) for _ in range(2)]
     tables = [PositionalEmbedding(64, 32, d.pad(), learned=True) if learned else None for _ in range(2)]
@@ -197,6 +248,8 @@ ENCDEC_CASES = {
     "deepnorm-shared-moe": dict(config=dict(deepnorm=True, share_all_embeddings=True, moe_expert_count=2, moe_freq=2,
                                             moe_second_expert_policy="all", moe_eval_capacity_token_fraction=1.0),
                                 learned=False),
+    "preln-xmoe": dict(config=dict(subln=False, moe_expert_count=4, moe_freq=2, moe_eval_capacity_token_fraction=1.0,
+                                   **DETERMINISTIC_XMOE), learned=True),
 }
 
 
@@ -237,17 +290,20 @@ def test_import_encoder_decoder_refusals(torchscale_moe, tmp_path):
     assert not (tmp_path / "a.pt").exists()
 
 
-def test_import_restores_in_fairseq_train(torchscale, lm_data, tmp_path):
+@pytest.mark.parametrize("moe", [{}, DETERMINISTIC_XMOE], ids=["dense", "xmoe"])
+def test_import_restores_in_fairseq_train(moe, torchscale_moe, lm_data, tmp_path):
     """``fairseq-train --restore-file`` continues from the import with the flags it returns
     (``fairseq-eval-lm`` loads models with ``load_model_ensemble_and_task``, tested above)."""
     d = Dictionary.load(str(lm_data / "dict.txt"))
-    decoder, cfg = torchscale_decoder(torchscale, d, "learned", subln=True)
+    moe = dict(moe, moe_expert_count=2, moe_freq=2) if moe else {}
+    decoder, cfg = torchscale_decoder(torchscale_moe, d, "learned", subln=True, **moe)
     src = save_torchscale(decoder, cfg, tmp_path / "torchscale.pt")
     ckpt = tmp_path / "ts_lm.pt"
     flags = import_torchscale(str(src), str(ckpt), str(lm_data))
+    criterion = ["--criterion", "moe_cross_entropy"] if moe else []
     (trained,) = run_many([
         [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--cpu", "--tokens-per-sample", "32",
-         "--task", "language_modeling", "--arch", "ts_lm", *flags,
+         "--task", "language_modeling", "--arch", "ts_lm", *flags, *criterion,
          "--restore-file", ckpt, "--reset-optimizer", "--reset-dataloader", "--reset-meters",
          "--optimizer", "adam", "--lr", "1e-4", "--max-tokens", "256", "--max-update", "2",
          "--save-dir", tmp_path / "train", "--no-save", "--log-format", "simple", "--log-interval", "1"],

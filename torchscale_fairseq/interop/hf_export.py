@@ -384,7 +384,7 @@ def _check_experts(weights: dict[str, torch.Tensor], cfg: StackConfig) -> None:
         return
     if cfg.moe.router == "expert_choice":
         raise TsConfigError("--moe-router expert_choice routes over the whole batch (and cannot decode token by "
-                            "token): only token-choice routers (xmoe, linear) can be exported")
+                            "token): only token-choice routers (xmoe, linear, torchscale_xmoe) can be exported")
     for name, tensor in weights.items():
         if name.endswith(".experts.fc1_weight") and tensor.size(0) != cfg.moe.expert_count:
             raise TsConfigError(

@@ -18,12 +18,13 @@ An ``EncoderDecoder``: the same on both sides, ``encoder_attn`` -> ``cross_attn`
 ``kv_proj`` = rows ``[k; v]``), one shared embedding -> ``--share-all-embeddings``; refused: ``subln``
 (TorchScale's cross-attention has no Sub-LN), different ``*_normalize_before``, xPos.
 MoE layers (``moe_expert_count``, ``moe_freq``): the linear gate ``wg`` -> ``--moe-router linear``;
+``use_xmoe``'s gate (``wg_reduction``, ``wg``) -> ``--moe-router torchscale_xmoe`` (``router.proj``,
+``router.expert_embeddings``; its scores ``(W x) . e / |e|`` have no temperature);
 the experts' ``fc1``/``fc2``/``ffn_layernorm`` stacked as ``ffn.experts.*`` (``(E, in, out)``);
 ``moe_top1_expert`` -> ``--moe-top-k 1``; second-expert policy, gate normalisation before dropping
 and the evaluation capacity ``ceil(fraction * T)`` mapped (see :func:`moe_flags`). Only the
 single-process layout (every expert in one ``state_dict``) is read.
-Refused with one line: ``use_xmoe`` (TorchScale's X-MoE gate scores differ from ts_lm's cosine
-router), ``moe_gating_use_fp32=False``, one rank's expert shard, relative position buckets
+Refused with one line: ``moe_gating_use_fp32=False``, one rank's expert shard, relative position buckets
 (TorchScale's decoder bias is bidirectional, ours causal), multiway, ``swish`` activation, an xPos scale base other than 512.
 The full list of default differences is in ``docs/interop.md``.
 """
@@ -80,9 +81,6 @@ def _refuse_unsupported(ts: dict[str, Any], weights: dict[str, torch.Tensor], po
     encdec = is_encoder_decoder(weights)
     tables = {side: f"{side}.embed_positions.weight" in weights for side in ("encoder", "decoder")}
     checks = [
-        (moe and bool(ts.get("use_xmoe")),
-         "use_xmoe: TorchScale 0.3.0's X-MoE gate scores (W x).e/|e| (no token normalisation, no temperature), "
-         "ts_lm's xmoe router cos(W x, e)/tau; only its linear gate (use_xmoe False) is imported"),
         (moe and not ts.get("moe_gating_use_fp32", True), "moe_gating_use_fp32 False (ts_lm's router runs in fp32)"),
         (moe and bool(shards), f"MoE layers {sorted(shards)} hold {sorted(set(shards.values()))} of {count} experts: "
          "one rank's expert shard; only the single-process layout (every expert in one state_dict) is imported"),
@@ -168,19 +166,25 @@ EXPERT_NAMES = (("fc1_weight", "fc1.weight"), ("fc1_bias", "fc1.bias"), ("fc2_we
 
 
 def moe_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """TorchScale's MoE layers -> ours: ``gate.wg`` -> the linear router, the experts'
+    """TorchScale's MoE layers -> ours: ``gate.wg`` -> the linear router (``use_xmoe``:
+    ``gate.wg_reduction`` and ``gate.wg`` -> the ``torchscale_xmoe`` router), the experts'
     ``nn.Linear`` weights ``(out, in)`` stacked as ``(expert, in, out)``, biases and sub-LN stacked."""
     out: dict[str, torch.Tensor] = {}
     for layer, count in held_experts(weights).items():
         src, dst = f"{layer}.moe_layer.", f"{layer}.ffn."
-        out[dst + "router.gate.weight"] = weights[src + "gate.wg.weight"]
+        if src + "gate.wg_reduction.weight" in weights:
+            out[dst + "router.proj.weight"] = weights[src + "gate.wg_reduction.weight"]
+            out[dst + "router.expert_embeddings"] = weights[src + "gate.wg"]
+        else:
+            out[dst + "router.gate.weight"] = weights[src + "gate.wg.weight"]
         for ours, theirs in EXPERT_NAMES:
             if f"{src}experts.0.{theirs}" in weights:
                 parts = [weights[f"{src}experts.{e}.{theirs}"] for e in range(count)]
                 out[dst + "experts." + ours] = torch.stack([p.t() if p.dim() == 2 else p for p in parts])
     return out
 def moe_flags(ts: dict[str, Any]) -> list[str]:
-    """``ts_lm``'s MoE flags: a linear router, TorchScale's top-1 / top-2 and second-expert policy
+    """``ts_lm``'s MoE flags: a linear router (``use_xmoe``: ``torchscale_xmoe`` with its 16
+    dimensions), TorchScale's top-1 / top-2 and second-expert policy
     (any policy but ``random`` and ``sampling`` keeps the second expert: ``all``), training capacity
     factor 1, evaluation capacity ``ceil(fraction * T)`` as the factor ``fraction * E / k`` (a
     fraction of 0: the training capacity)."""
@@ -188,7 +192,8 @@ def moe_flags(ts: dict[str, Any]) -> list[str]:
     fraction = float(ts.get("moe_eval_capacity_token_fraction", 0.25))
     policy = ts.get("moe_second_expert_policy", "random")
     flags = ["--moe-expert-count", str(count), "--moe-freq", str(ts["moe_freq"]), "--moe-top-k", str(top_k),
-             "--moe-router", "linear", "--moe-capacity-factor", "1.0",
+             "--moe-router", "torchscale_xmoe" if ts.get("use_xmoe") else "linear", "--moe-router-dim", "16",
+             "--moe-capacity-factor", "1.0",
              "--moe-eval-capacity-factor", str(fraction * count / top_k if fraction > 0 else 1.0),
              "--moe-second-expert-policy", policy if policy in ("random", "sampling") else "all"]
     if ts.get("moe_normalize_gate_prob_before_dropping"):

@@ -30,7 +30,8 @@ class TsMoEConfig(FairseqDataclass):
     moe_freq: int = field(default=2, metadata={"help": "every moe-freq-th FFN becomes an MoE layer"})
     moe_top_k: int = field(default=2, metadata={"help": "experts per token (1 = Switch, 2 = GShard)"})
     moe_router: ChoiceEnum(ROUTERS) = field(
-        default="xmoe", metadata={"help": "xmoe (low-dim cosine router), linear (softmax gate) or expert_choice"}
+        default="xmoe", metadata={"help": "xmoe (low-dim cosine router), linear (softmax gate), expert_choice, or "
+                                   "torchscale_xmoe (TorchScale 0.3.0's use_xmoe gate: (W x).e/|e|, no temperature)"}
     )
     moe_router_dim: int = field(default=16, metadata={"help": "X-MoE routing dimension"})
     moe_gate_noise: float = field(default=0.0, metadata={"help": "noisy top-k std for the linear router (0 = off)"})

@@ -223,17 +223,21 @@ class TsFeedForward(nn.Module):
 
 
 class TsXMoERouter(nn.Module):
-    """X-MoE scores ``cos(W x, e_k) / tau`` (``tau = exp(log_temperature)``, at least 0.01)."""
+    """X-MoE scores ``cos(W x, e_k) / tau`` (``tau = exp(log_temperature)``, at least 0.01);
+    ``moe_router`` ``torchscale_xmoe``: TorchScale 0.3.0's gate ``(W x) . e_k / |e_k|``."""
 
     def __init__(self, config: TsLMConfig) -> None:
         super().__init__()
         self.proj = nn.Linear(config.hidden_size, config.moe_router_dim, bias=False)
         self.expert_embeddings = nn.Parameter(torch.zeros(config.moe_expert_count, config.moe_router_dim))
-        self.log_temperature = nn.Parameter(torch.zeros(()))
+        self.log_temperature = None if config.moe_router == "torchscale_xmoe" else nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = F.normalize(F.linear(x.float(), self.proj.weight.float()), p=2.0, dim=-1, eps=1e-4)
+        tokens = F.linear(x.float(), self.proj.weight.float())
         experts = F.normalize(self.expert_embeddings.float(), p=2.0, dim=-1, eps=1e-4)
+        if self.log_temperature is None:
+            return tokens @ experts.t()
+        tokens = F.normalize(tokens, p=2.0, dim=-1, eps=1e-4)
         return tokens @ experts.t() / self.log_temperature.float().exp().clamp(min=0.01)
 
 
@@ -282,7 +286,7 @@ class TsMoE(nn.Module):
         self.num_experts, self.top_k = config.moe_expert_count, config.moe_top_k
         self.capacity_factor = config.moe_eval_capacity_factor
         self.normalize_before_dropping = config.moe_normalize_gate_prob_before_dropping
-        self.router = TsXMoERouter(config) if config.moe_router == "xmoe" else TsLinearRouter(config)
+        self.router = TsLinearRouter(config) if config.moe_router == "linear" else TsXMoERouter(config)
         self.experts = TsExperts(config)
 
     def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchscale_fairseq.errors import TsConfigError
 
-ROUTERS = ("xmoe", "linear", "expert_choice")
+ROUTERS = ("xmoe", "linear", "expert_choice", "torchscale_xmoe")
 SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
 CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py

@@ -73,7 +73,7 @@ from torchscale_fairseq.modules.moe.routers import build_router
 
 EXPERT_CHOICE_DECODING = (
     "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
-    "(incremental) decoding: generate with a token-choice router (xmoe or linear)"
+    "(incremental) decoding: generate with a token-choice router (xmoe, linear or torchscale_xmoe)"
 )
 
 
