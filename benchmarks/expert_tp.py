@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.rendezvous import rendezvous_url  # noqa: E402
 from torchscale_fairseq.model_parallel import process_groups as groups  # noqa: E402
 from torchscale_fairseq.model_parallel.attributes import is_expert  # noqa: E402
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig  # noqa: E402
 from torchscale_fairseq.modules.moe.layer import MoELayer  # noqa: E402
 
@@ -59,7 +60,7 @@ def worker(rank: int, args: argparse.Namespace, init_method: str) -> None:
         layers = {}
         for mode, group in (("split", tp), ("replicate", None)):
             torch.manual_seed(1)
-            layers[mode] = MoELayer(cfg, d, f, subln=True, tp_group=group)
+            layers[mode] = MoELayer(cfg, FFNSpec(d, f, subln=True), tp_group=group)
         x = torch.randn(tokens, 1, d, generator=torch.Generator().manual_seed(2)).requires_grad_()
         times: dict[str, list[float]] = {m: [] for m in layers}
         for m in layers:

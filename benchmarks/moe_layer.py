@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import DTYPES, device_line, load_average, now
-from torchscale_fairseq.modules.feedforward import FeedForwardNetwork
+from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
@@ -117,13 +117,13 @@ def main() -> None:
     shape = (args.tokens // 512, 512, args.dim) if args.tokens % 512 == 0 else (1, args.tokens, args.dim)
     place = dict(device=args.device, dtype=DTYPES[args.dtype])
     x = torch.randn(*shape, **place, requires_grad=True)
-    dense = FeedForwardNetwork(args.dim, args.ffn).to(**place)
+    dense = FeedForwardNetwork(FFNSpec(args.dim, args.ffn)).to(**place)
     print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
           f"T={args.tokens} d={args.dim} "
           f"ffn={args.ffn} top-2 cf=1.0 | expert GEMMs {args.expert_gemm} | zero_grad(set_to_none=True) for all | "
           f"{args.repeats} interleaved runs")
     layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
-                          args.dim, args.ffn).to(**place) for e in args.experts}
+                          FFNSpec(args.dim, args.ffn)).to(**place) for e in args.experts}
     for layer in layers.values():
         layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[args.expert_gemm]
     samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)

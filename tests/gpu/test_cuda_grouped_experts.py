@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GradBuffers, GroupedLinear, grouped_mm_fits
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -40,7 +41,7 @@ def test_moe_layer_trains_with_grouped_experts_in_bf16():
     """The layer's default (grouped on Hopper, the loop elsewhere) against the loop forced."""
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=16, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
-                     512, 2048).to("cuda", torch.bfloat16)
+                     FFNSpec(512, 2048)).to("cuda", torch.bfloat16)
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     outs = {}
     for grouped in (False, None):  # None: the layer's own choice

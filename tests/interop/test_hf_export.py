@@ -49,6 +49,8 @@ CASES = {
     "postln-dense": dict(backbone="postln", no_token_positional_embeddings=True, rel_pos_buckets=8),
     "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, decoder_learned_pos=True,
                        activation_fn="swiglu", moe_eval_capacity_factor=0.5),
+    "magneto-fine-grained": dict(backbone="magneto", moe_expert_count=8, moe_freq=1, moe_top_k=4,
+                                 moe_expert_ffn_dim=16, moe_shared_expert_count=2, moe_router_bias_update_rate=0.01),
 }
 
 # fairseq's adaptive input / adaptive softmax (vocabulary 48: bands cut at 20 and 40), tied or not;
@@ -95,6 +97,8 @@ MT_CASES = {
     "postln-dense": dict(backbone="postln", no_token_positional_embeddings=True, rel_pos_buckets=8),
     "postln-moe": dict(backbone="postln", moe_expert_count=4, moe_freq=2, encoder_learned_pos=True,
                        activation_fn="swiglu", moe_eval_capacity_factor=0.5, share_all_embeddings=True),
+    "preln-fine-grained": dict(backbone="preln", moe_expert_count=8, moe_freq=1, moe_top_k=3, moe_expert_ffn_dim=16,
+                               moe_shared_expert_count=1, moe_router_bias_update_rate=0.01, moe_router="linear"),
 }
 
 
@@ -131,6 +135,9 @@ def perturbed(cls, a, task):
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("_layernorm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # auxiliary-loss-free balancing: biases that change choices
+            if name.endswith(".expert_bias"):
+                b.add_(0.1 * torch.randn_like(b))
     return model.eval(), a
 
 

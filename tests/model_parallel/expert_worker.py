@@ -31,6 +31,7 @@ from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear
 from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
 from torchscale_fairseq.model_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.groups import get_expert_parallel
@@ -56,7 +57,7 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build(spec: dict, parallel=None, tp_group=None) -> MoELayer:
     torch.manual_seed(5)
-    return MoELayer(spec["cfg"], D, FFN, spec["activation"], subln=spec["subln"], parallel=parallel,
+    return MoELayer(spec["cfg"], FFNSpec(D, FFN, spec["activation"], subln=spec["subln"]), parallel=parallel,
                     tp_group=tp_group)
 
 
@@ -151,7 +152,7 @@ def dropout_streams() -> dict[str, dict[str, bool]]:
     out = {}
     for mode in ("split", "replicate"):
         torch.manual_seed(5)
-        layer = MoELayer(CONFIGS["magneto"]["cfg"], D, FFN, "gelu", 0.3, subln=True,
+        layer = MoELayer(CONFIGS["magneto"]["cfg"], FFNSpec(D, FFN, "gelu", 0.3, subln=True),
                          parallel=get_expert_parallel(EXPERTS), tp_group=tp if mode == "split" else None)
         x, mask, grad_out = batch(groups.get_data_parallel_rank())
         torch.manual_seed(400)
@@ -182,7 +183,7 @@ def main() -> None:
     results["messages"] = mismatch_messages(CONFIGS["magneto"])
     results["dropout"] = dropout_streams()
     try:
-        GroupedExperts(2, 0, D, FFN + 1, tp_group=groups.get_tensor_parallel_group())
+        GroupedExperts(FFNSpec(D, FFN + 1), num_local=2, tp_group=groups.get_tensor_parallel_group())
         results["odd_ffn"] = ""
     except TsConfigError as e:
         results["odd_ffn"] = str(e)

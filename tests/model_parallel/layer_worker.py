@@ -42,6 +42,7 @@ from torchscale_fairseq.model_parallel.layers import (
 from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.modules.backbone import build_backbone
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
@@ -240,8 +241,8 @@ def moe_transformer_layer(tp_group=None, sequence_parallel: bool = False) -> Tra
     """A Magneto layer whose FFN is an X-MoE layer (4 split experts, both experts of every token)."""
     cfg = layer_config("magneto", tp_group, sequence_parallel)
     b = cfg.backbone
-    moe = MoELayer(MoEConfig(expert_count=4, second_expert_policy="all"), D, FFN, cfg.activation, 0.0, b.subln,
-                   b.gain, cfg.layernorm_eps, tag="moe", tp_group=tp_group,
+    moe = MoELayer(MoEConfig(expert_count=4, second_expert_policy="all"), FFNSpec(D, FFN, cfg.activation, 0.0, b.subln, b.gain,
+                   cfg.layernorm_eps), tag="moe", tp_group=tp_group,
                    sequence_group=tp_group if sequence_parallel else None)
     return TransformerLayer(cfg, ffn=moe)
 

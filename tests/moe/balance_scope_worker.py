@@ -29,6 +29,7 @@ def hand_balance(probs: torch.Tensor, first: torch.Tensor) -> float:
 
 def worker(rank: int, init_method: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    from torchscale_fairseq.modules.feedforward import FFNSpec
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -37,7 +38,7 @@ def worker(rank: int, init_method: str) -> None:
     inputs = [torch.randn(1, n, DIM, generator=g) * 3 for n in TOKENS]
     for scope in ("local", "global"):
         torch.manual_seed(0)  # the router is replicated: same weights on both ranks
-        layer = MoELayer(MoEConfig(expert_count=EXPERTS, top_k=2, capacity_factor=0.0, balance_scope=scope), DIM, 16,
+        layer = MoELayer(MoEConfig(expert_count=EXPERTS, top_k=2, capacity_factor=0.0, balance_scope=scope), FFNSpec(DIM, 16),
                          parallel=get_expert_parallel(EXPERTS))
         _, aux = layer(inputs[rank])
         with torch.no_grad():

@@ -104,8 +104,17 @@ def worker(rank: int, world: int, init_method: str, out: str, data: str, extra: 
             torch.distributed.all_gather(parts, t.contiguous(), group=p.expert_group)
             t = torch.cat(parts)
         state[name] = t
+    bias_spread = 0.0  # auxiliary-loss-free expert biases: the largest difference between two ranks' copies
+    for name, b in model.named_buffers():
+        if name.endswith(".expert_bias"):
+            state[name] = b.detach().clone()
+            if world > 1:
+                copies = [torch.empty_like(b) for _ in range(world)]
+                torch.distributed.all_gather(copies, b.contiguous())
+                bias_spread = max([bias_spread] + [float((c - b).abs().max()) for c in copies])
     if rank == 0:
-        torch.save({"losses": losses, "norms": norms, "logged": logged, "state": state}, out)
+        torch.save({"losses": losses, "norms": norms, "logged": logged, "state": state, "bias_spread": bias_spread},
+                   out)
     if world > 1:
         leave_process_group()
 

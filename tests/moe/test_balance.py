@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.balance import balance_loss
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -41,7 +42,7 @@ def test_gradient_flows_through_probabilities_only():
 def test_padding_excluded_from_loss_stats_and_output(router):
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=4, top_k=2, router=router, capacity_factor=0.0,
-                               second_expert_policy="all"), 8, 16)
+                               second_expert_policy="all"), FFNSpec(8, 16))
     real = torch.randn(1, 5, 8)
     padded = torch.cat([real, torch.randn(1, 3, 8) * 10], dim=1)
     mask = torch.tensor([[False] * 5 + [True] * 3])

@@ -67,6 +67,45 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
         assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
 
 
+def test_expert_parallel_size_2_inside_4_data_parallel_ranks_equals_update_freq_4(tmp_path, lm_data):
+    """``--moe-expert-parallel-size 2`` on 4 data-parallel ranks: 4 experts over 2 all-to-all groups
+    of 2 ranks (2 experts each), replicated across the groups; with SparseClip it trains as 1
+    process with ``--update-freq 4`` (the local balance scope: each micro-batch's own loss), the
+    same losses, clipped norms (each expert counted once) and parameters."""
+    flags = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
+             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--clip-norm", "0.5",
+             "--optimizer", "sparse_clip", "--sparse-clip-base", "sgd", "--lr", "0.5"]
+    runs = {"ep2dp4": ("4", ["--moe-expert-parallel-size", "2"]), "freq4": ("1", ["--update-freq", "4"])}
+    run_many([[sys.executable, "-m", "tests.moe.dist_harness", tmp_path / f"{name}.pt", world, lm_data, *flags,
+               *extra] for name, (world, extra) in runs.items()])
+    four, one = (torch.load(tmp_path / f"{name}.pt") for name in runs)
+    assert four["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert four["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert one["norms"][0] > 0.5, "clipping must fire at least once"
+    for name, p in one["state"].items():
+        assert p.shape == four["state"][name].shape, name
+        assert torch.allclose(p, four["state"][name], atol=1e-5, rtol=0), name
+
+
+def test_replicated_experts_save_consolidate_and_export(tmp_path, lm_data):
+    """``--moe-expert-parallel-size 1`` on 2 ranks: every rank holds all 4 experts (replicas) and
+    saves its shard; ``ts-consolidate-experts`` and ``ts-export-hf`` read the layout from the
+    shards, and the consolidated model equals each shard's experts."""
+    save = tmp_path / "ck"
+    _torchrun([lm_data, "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *MOE, "--moe-expert-parallel-size", "1",
+               "--criterion", "moe_cross_entropy", "--max-update", "4", "--save-dir", save, "--disable-validation"])
+    shards = [torch.load(save / f"checkpoint_last-shard{r}.pt", weights_only=False) for r in range(2)]
+    _consolidate(save / "checkpoint_last.pt", tmp_path / "lm.pt")
+    merged = torch.load(tmp_path / "lm.pt", weights_only=False)["model"]
+    experts = [k for k in merged if ".experts." in k]
+    assert experts and all(merged[k].size(0) == 4 for k in experts)
+    for k in experts:
+        assert torch.equal(shards[0]["model"][k], merged[k]) and torch.equal(shards[1]["model"][k], merged[k]), k
+    pytest.importorskip("transformers", reason="needs the export extra: pip install -e .[export]")
+    run([sys.executable, "-m", "torchscale_fairseq.cli.export_hf", save / "checkpoint_last.pt", tmp_path / "hf"])
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
 def test_balance_scope_against_its_definition(tmp_path):
     """Each rank's balance loss (both scopes) against the formula computed by hand."""
     run([sys.executable, "-m", "tests.moe.balance_scope_worker", rendezvous_url(tmp_path)], timeout=120)
@@ -90,6 +129,26 @@ def test_local_balance_scope_equals_update_freq(tmp_path, lm_data):
     for name, p in out["freq2"]["state"].items():
         assert torch.allclose(p, out["local2"]["state"][name], atol=1e-5, rtol=0), name
     assert abs(gate["global2"][0] - gate["freq2"][0]) > 1e-3, gate
+
+
+def test_fine_grained_shared_and_aux_free_bias_on_two_ranks_equal_update_freq(tmp_path, lm_data):
+    """Top-4 of 8 narrower experts, a shared expert and auxiliary-loss-free biases on 2 ranks (experts
+    split over them) train as 1 process with ``--update-freq 2``: the bias update counts the loads of
+    both ranks' micro-batches, so the biases are equal on the 2 ranks and to the single process's."""
+    flags = ["--moe-expert-count", "8", "--moe-freq", "1", "--moe-top-k", "4", "--moe-expert-ffn-dim", "16",
+             "--moe-shared-expert-count", "1", "--moe-router-bias-update-rate", "0.05", "--criterion",
+             "moe_cross_entropy", "--moe-capacity-factor", "0", "--moe-gate-loss-wt", "0", "--optimizer", "sgd",
+             "--lr", "0.5"]
+    runs = {"two": ("2", []), "freq2": ("1", ["--update-freq", "2"])}
+    run_many([[sys.executable, "-m", "tests.moe.dist_harness", tmp_path / f"{name}.pt", world, lm_data, *flags,
+               *extra] for name, (world, extra) in runs.items()])
+    two, one = (torch.load(tmp_path / f"{name}.pt") for name in runs)
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert two["bias_spread"] == 0.0
+    biases = [name for name in one["state"] if name.endswith(".expert_bias")]
+    assert biases and all(bool(one["state"][name].abs().sum() > 0) for name in biases)
+    for name, p in one["state"].items():
+        assert torch.allclose(p, two["state"][name], atol=1e-5, rtol=0), name
 
 
 def test_lm_train_consolidate_validate_eval(tmp_path, lm_data):

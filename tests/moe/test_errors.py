@@ -14,8 +14,9 @@ from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.criterions.moe_terms import moe_outputs
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
-from torchscale_fairseq.modules.moe.groups import expert_layout
+from torchscale_fairseq.modules.moe.groups import expert_layout, get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer, check_generation
 
 
@@ -30,6 +31,21 @@ def test_expert_count_incompatible_with_world_size():
     assert expert_layout(8, 4) == (4, 1)
     with pytest.raises(TsConfigError, match="not compatible with 4 data-parallel ranks"):
         expert_layout(4, 6)
+
+
+def test_expert_parallel_size_layout_and_errors():
+    """``--moe-expert-parallel-size A``: all-to-all groups of ``A`` ranks, ``E / A`` experts each."""
+    assert expert_layout(4, 8, 2) == (2, 4)
+    assert expert_layout(8, 4, 4) == (4, 1)
+    assert expert_layout(4, 6, 1) == (1, 6)
+    with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size 3 does not divide the 4 data-parallel"):
+        expert_layout(4, 6, 3)
+    with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size 4 does not divide --moe-expert-count 6"):
+        expert_layout(8, 6, 4)
+    with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size -1 is negative"):
+        expert_layout(4, 8, -1)
+    with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size 2 does not divide the 1 data-parallel"):
+        get_expert_parallel(4, 2)  # one process
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -77,11 +93,11 @@ def test_consolidation_merges_and_refuses_mismatched_shards():
 
 def test_cli_prints_one_line(tmp_path, lm_data):
     proc = run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--task", "language_modeling",
-                "--arch", "ts_lm_tiny", "--cpu", "--moe-expert-count", "2", "--moe-top-k", "3",
+                "--arch", "ts_lm_tiny", "--cpu", "--moe-expert-count", "16", "--moe-top-k", "9",
                 "--optimizer", "adam", "--max-tokens", "256", "--save-dir", tmp_path], check=False)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == ["fairseq-train: error: --moe-top-k 3 is not supported: use 1 or 2"], proc.stderr[-2000:]
+    assert errors == ["fairseq-train: error: --moe-top-k 9 is not supported: use 1 to 8"], proc.stderr[-2000:]
 
 
 def _tiny_lm(lm_data, router: str):
@@ -105,7 +121,7 @@ def test_generator_is_refused_for_expert_choice_models(lm_data):
     task.build_generator([model], Namespace(score_reference=True))
     task, model, cfg = _tiny_lm(lm_data, "xmoe")
     task.build_generator([model], cfg.generation)
-    check_generation([torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="xmoe"), 8, 16))])
+    check_generation([torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="xmoe"), FFNSpec(8, 16)))])
 
 
 def test_generate_refuses_expert_choice_before_decoding(tmp_path, mt_data):
@@ -140,13 +156,13 @@ class _MoECriterion(torch.nn.Module):
     ("adaptive_loss", "moe_cross_entropy or moe_label_smoothed_cross_entropy or moe_masked_lm"),
 ])
 def test_moe_model_with_a_criterion_without_balance_loss(name, suggested):
-    model = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=4), 8, 16))
+    model = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=4), FFNSpec(8, 16)))
     with pytest.raises(TsConfigError, match="without their balance loss") as err:
         check_balance_loss_criterion(model, _Criterion(), name, Namespace())
     assert suggested in str(err.value) and "--moe-allow-no-balance-loss" in str(err.value)
     check_balance_loss_criterion(model, _Criterion(), name, Namespace(moe_allow_no_balance_loss=True))
     check_balance_loss_criterion(model, _MoECriterion(), "moe_cross_entropy", Namespace())
-    choice = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), 8, 16))
+    choice = torch.nn.Sequential(MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), FFNSpec(8, 16)))
     check_balance_loss_criterion(choice, _Criterion(), name, Namespace())
     check_balance_loss_criterion(torch.nn.Linear(2, 2), _Criterion(), name, Namespace())
 

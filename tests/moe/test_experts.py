@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GradBuffers, GroupedLinear, grouped_mm_fits
 from torchscale_fairseq.modules.moe.layer import MoELayer, sender_to_expert_order
@@ -52,7 +53,7 @@ def test_gradients_equal_per_token_reference(subln, experts, tokens, grouped):
     one per expert and as ``torch._grouped_mm`` (forced here; by default only on Hopper GPUs)."""
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=experts, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
-                     8, 16, subln=subln)
+                     FFNSpec(8, 16, subln=subln))
     layer.experts.grouped_mm = grouped
     x = torch.randn(tokens, 8, requires_grad=True)
     weight = torch.randn(tokens, 8)
@@ -93,7 +94,7 @@ def test_weight_gradients_across_steps_none_and_accumulated():
     """Step 2 after ``.grad = None`` reuses the weight-gradient memory; step 3 without
     clearing must accumulate. Both against the reference's gradients."""
     torch.manual_seed(1)
-    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0, second_expert_policy="all"), 8, 16)
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0, second_expert_policy="all"), FFNSpec(8, 16))
     expert_params = list(layer.experts.parameters())
     xs = [torch.randn(16, 8) for _ in range(3)]
     refs = [torch.autograd.grad(_reference_output(layer, x).sum(), expert_params) for x in xs]

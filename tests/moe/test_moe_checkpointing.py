@@ -20,6 +20,7 @@ import torch
 
 from tests.model_parallel.mp_helpers import launch, wait_all
 from tests.rendezvous import rendezvous_url
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
 
@@ -105,7 +106,7 @@ def test_memo_reuses_the_first_run_and_refuses_other_routing():
     input) is one error naming the layer instead of a silent mismatch or a hang."""
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=4, top_k=2, router="linear", gate_noise=1.0, capacity_factor=1.0),
-                     8, 16, activation_dropout=0.1, tag="dec1").train()
+                     FFNSpec(8, 16, activation_dropout=0.1), tag="dec1").train()
     x = torch.randn(2, 16, 8)
     memo = RecomputeMemo()
     y, aux = _memo_call(layer, x, memo, 5)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.gating import expert_choice_routing, top_k_routing
@@ -193,7 +194,7 @@ def test_xmoe_router_is_cosine_over_temperature_in_fp32():
 def test_layer_equals_per_token_loop_and_dropped_tokens_are_zero(router, k):
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=4, top_k=k, router=router, capacity_factor=0.5,
-                               second_expert_policy="all"), 8, 16, subln=True)
+                               second_expert_policy="all"), FFNSpec(8, 16, subln=True))
     x = torch.randn(2, 12, 8)
     y = layer(x)[0].reshape(-1, 8)
     tokens = x.reshape(-1, 8)
@@ -210,7 +211,7 @@ def test_layer_equals_per_token_loop_and_dropped_tokens_are_zero(router, k):
 
 def test_index_dispatch_equals_one_hot_einsum():
     torch.manual_seed(1)
-    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0, second_expert_policy="all"), 8, 16)
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0, second_expert_policy="all"), FFNSpec(8, 16))
     tokens = torch.randn(20, 8)
     _, r = layer.route(layer.router(tokens))
     cap = int(r.slot.max()) + 1
@@ -224,12 +225,12 @@ def test_index_dispatch_equals_one_hot_einsum():
 
 
 def test_expert_choice_refuses_incremental_decoding():
-    layer = MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), 8, 16).eval()
+    layer = MoELayer(MoEConfig(expert_count=2, top_k=1, router="expert_choice"), FFNSpec(8, 16)).eval()
     with pytest.raises(TsConfigError, match="incremental"):
         layer(torch.randn(1, 1, 8), incremental=True)
 
 
 def test_eval_never_drops_by_default():
-    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=0.1), 8, 16).eval()
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=0.1), FFNSpec(8, 16)).eval()
     _, aux = layer(torch.randn(4, 16, 8))
     assert aux.stats.dropped == 0

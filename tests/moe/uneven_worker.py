@@ -16,12 +16,13 @@ from tests.rendezvous import leave_process_group, start_ranks
 
 def worker(rank: int, init_method: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    from torchscale_fairseq.modules.feedforward import FFNSpec
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
 
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0), 8, 16, parallel=get_expert_parallel(4))
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0), FFNSpec(8, 16), parallel=get_expert_parallel(4))
     for length, all_pad in ((5 if rank == 0 else 13, False), (7, rank == 1)):
         x = torch.randn(2, length, 8, requires_grad=True)
         mask = torch.zeros(2, length, dtype=torch.bool)

@@ -27,6 +27,11 @@ RECIPES = {
         "--moe-second-expert-policy", "random", "--moe-gate-noise", "0.0", "--criterion", "moe_cross_entropy",
         "--optimizer", "sparse_clip", "--sparse-clip-base", "adam", "--clip-norm", "0.5",
     ],
+    "ts_lm_fine_grained_aux_free": [  # the expert biases are model state, moved after every update
+        "--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--moe-expert-count", "8", "--moe-freq", "2",
+        "--moe-top-k", "4", "--moe-expert-ffn-dim", "64", "--moe-shared-expert-count", "1",
+        "--moe-router-bias-update-rate", "0.01", "--moe-gate-loss-wt", "0", "--criterion", "moe_cross_entropy",
+    ],
 }
 
 
@@ -70,6 +75,8 @@ def test_sigkill_mid_epoch_then_restart_is_exact(recipe, lm_data, mt_data, tmp_p
     assert state_ref["model"].keys() == state_got["model"].keys()
     for name, value in state_ref["model"].items():
         assert torch.equal(value, state_got["model"][name]), name
+    biases = [v for n, v in state_ref["model"].items() if n.endswith(".expert_bias")]
+    assert ("--moe-router-bias-update-rate" in RECIPES[recipe]) == any(bool(b.abs().sum() > 0) for b in biases)
     ref_opt = state_ref["last_optimizer_state"]["state"]
     got_opt = state_got["last_optimizer_state"]["state"]
     for key in ref_opt:

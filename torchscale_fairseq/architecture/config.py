@@ -11,7 +11,7 @@ from typing import Any
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, group_size
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
-from torchscale_fairseq.modules.feedforward import check_activation
+from torchscale_fairseq.modules.feedforward import FFNSpec, check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
 
 POSITIONS = ("learned", "sinusoidal", "none")
@@ -60,6 +60,12 @@ class StackConfig:
     moe: Any = None
     tp_group: Any = None
     sequence_parallel: bool = False
+
+    def ffn_spec(self) -> FFNSpec:
+        """The dense FFN of this stack's layers (an MoE layer's experts derive theirs from it)."""
+        b = self.backbone
+        return FFNSpec(self.embed_dim, self.ffn_dim, self.activation, self.activation_dropout, b.subln, b.gain,
+                       self.layernorm_eps)
 
     @classmethod
     def from_args(cls, args: Any, side: str, part: str) -> "StackConfig":

@@ -74,9 +74,7 @@ class TransformerLayer(nn.Module):
             self.cross_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, self_attention=False, **attn_kwargs)
             self.cross_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.ffn = ffn if ffn is not None else FeedForwardNetwork(
-            cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain, cfg.layernorm_eps,
-            cfg.tp_group, cfg.sequence_parallel,
-        )
+            cfg.ffn_spec(), tp_group=cfg.tp_group, sequence_parallel=cfg.sequence_parallel)
         self.final_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.checkpoint_activations = cfg.checkpoint_activations
         self.compiled = False  # wrap_layer

@@ -2,16 +2,24 @@
 fairseq's ``cross_entropy``, ``label_smoothed_cross_entropy`` and ``masked_lm`` (their
 flags; computed vocabulary-parallel under tensor parallelism, :mod:`.vocab_parallel`)
 plus ``--moe-gate-loss-wt`` times the balance loss and ``--moe-z-loss-wt`` times the router
-z-loss (:mod:`.moe_terms`)."""
+z-loss (:mod:`.moe_terms`).
 
-from __future__ import annotations
+Each criterion is :class:`MoeCriterionMixin` over the :mod:`.vocab_parallel` class that
+replaces its base in fairseq's registry, and its config is :class:`MoeLossConfig` over the
+base's fairseq config (:data:`.balance_check.BASES` names the pairs)."""
 
-from dataclasses import dataclass, field, make_dataclass
+# No ``from __future__ import annotations``: fairseq builds the flags from the config fields'
+# types and rejects them as strings.
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from fairseq.criterions import CRITERION_DATACLASS_REGISTRY, register_criterion
+from fairseq.criterions import register_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterionConfig
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
+from fairseq.criterions.masked_lm import MaskedLmConfig
+from fairseq.dataclass import FairseqDataclass
 
 from torchscale_fairseq.criterions import vocab_parallel
-from torchscale_fairseq.criterions.balance_check import BASES
 from torchscale_fairseq.criterions.moe_terms import OutputRecorder, add_moe_terms, moe_outputs, reduce_moe_metrics
 from torchscale_fairseq.errors import TsConfigError
 
@@ -19,45 +27,79 @@ GATE_LOSS_WT = 0.01  # X-MoE / GShard
 Z_LOSS_WT = 0.0  # off; ST-MoE uses 0.001
 
 
-def _make(name: str, base_name: str) -> type:
-    base = vocab_parallel.REPLACEMENTS[base_name]
-    base_cfg = CRITERION_DATACLASS_REGISTRY[base_name]
-    cfg_cls = dataclass(make_dataclass(
-        f"{base_cfg.__name__}Moe",
-        [("moe_gate_loss_wt", float, field(default=GATE_LOSS_WT, metadata={"help": "weight of the MoE balance loss"})),
-         ("moe_z_loss_wt", float, field(default=Z_LOSS_WT, metadata={
-             "help": "weight of the router z-loss (ST-MoE; Megatron-core --moe-z-loss-coeff); 0 = off"}))],
-        bases=(base_cfg,),
-    ))
+@dataclass
+class MoeLossConfig(FairseqDataclass):
+    """The MoE criteria's own flags. Listed first among a config's bases, so that its
+    fields come after the base criterion's (dataclass fields follow the reversed MRO)."""
 
+    moe_gate_loss_wt: float = field(default=GATE_LOSS_WT, metadata={"help": "weight of the MoE balance loss"})
+    moe_z_loss_wt: float = field(default=Z_LOSS_WT, metadata={
+        "help": "weight of the router z-loss (ST-MoE; Megatron-core --moe-z-loss-coeff); 0 = off"})
+
+
+class MoeCriterionMixin:
+    """What a MoE criterion adds to its base criterion (the next class in its MRO): the
+    weights from :class:`MoeLossConfig`, the MoE terms in :meth:`forward` and their metrics."""
+
+    registry_name: ClassVar[str]  # the --criterion name, for error messages
+    adds_moe_balance_loss: ClassVar[bool] = True  # read by balance_check
+    # for criteria built without build_criterion
+    moe_gate_loss_wt: float = GATE_LOSS_WT
+    moe_z_loss_wt: float = Z_LOSS_WT
+
+    @classmethod
     def build_criterion(cls, cfg, task):
         for flag, value in (("--moe-gate-loss-wt", cfg.moe_gate_loss_wt), ("--moe-z-loss-wt", cfg.moe_z_loss_wt)):
             if value < 0:
                 raise TsConfigError(f"{flag} {value} is negative: use 0 (off) or a positive weight")
-        criterion = super(cls, cls).build_criterion(cfg, task)
+        criterion = super().build_criterion(cfg, task)
         criterion.moe_gate_loss_wt, criterion.moe_z_loss_wt = cfg.moe_gate_loss_wt, cfg.moe_z_loss_wt
         return criterion
 
     def forward(self, model, sample, reduce=True):
         recorder = OutputRecorder(model)
-        loss, sample_size, logging_output = base.forward(self, recorder, sample, reduce)
-        layers = moe_outputs(recorder.outputs[-1], name)
+        loss, sample_size, logging_output = super().forward(recorder, sample, reduce)
+        layers = moe_outputs(recorder.outputs[-1], self.registry_name)
         loss = add_moe_terms(layers, self.moe_gate_loss_wt, self.moe_z_loss_wt, loss, sample_size, logging_output)
         return loss, sample_size, logging_output
 
+    @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
-        base.reduce_metrics(logging_outputs)
+        super().reduce_metrics(logging_outputs)
         reduce_moe_metrics(logging_outputs)
 
-    cls = type(
-        f"Moe{base.__name__}", (base,),
-        {"build_criterion": classmethod(build_criterion), "forward": forward, "adds_moe_balance_loss": True,
-         "moe_gate_loss_wt": GATE_LOSS_WT, "moe_z_loss_wt": Z_LOSS_WT,  # for criteria built without build_criterion
-         "reduce_metrics": classmethod(reduce_metrics),
-         "__doc__": f"``{base_name}`` plus the MoE balance loss and router z-loss."},
-    )
-    return register_criterion(name, dataclass=cfg_cls)(cls)
+
+@dataclass
+class MoeCrossEntropyCriterionConfig(MoeLossConfig, CrossEntropyCriterionConfig):
+    """``cross_entropy``'s config plus the MoE loss weights."""
 
 
-for _name, _base in BASES.items():
-    _make(_name, _base)
+@register_criterion("moe_cross_entropy", dataclass=MoeCrossEntropyCriterionConfig)
+class MoeCrossEntropyCriterion(MoeCriterionMixin, vocab_parallel.CrossEntropyCriterion):
+    """``cross_entropy`` plus the MoE balance loss and router z-loss."""
+
+    registry_name = "moe_cross_entropy"
+
+
+@dataclass
+class MoeLabelSmoothedCrossEntropyCriterionConfig(MoeLossConfig, LabelSmoothedCrossEntropyCriterionConfig):
+    """``label_smoothed_cross_entropy``'s config plus the MoE loss weights."""
+
+
+@register_criterion("moe_label_smoothed_cross_entropy", dataclass=MoeLabelSmoothedCrossEntropyCriterionConfig)
+class MoeLabelSmoothedCrossEntropyCriterion(MoeCriterionMixin, vocab_parallel.LabelSmoothedCrossEntropyCriterion):
+    """``label_smoothed_cross_entropy`` plus the MoE balance loss and router z-loss."""
+
+    registry_name = "moe_label_smoothed_cross_entropy"
+
+
+@dataclass
+class MoeMaskedLmConfig(MoeLossConfig, MaskedLmConfig):
+    """``masked_lm``'s config plus the MoE loss weights."""
+
+
+@register_criterion("moe_masked_lm", dataclass=MoeMaskedLmConfig)
+class MoeMaskedLmLoss(MoeCriterionMixin, vocab_parallel.MaskedLmLoss):
+    """``masked_lm`` plus the MoE balance loss and router z-loss."""
+
+    registry_name = "moe_masked_lm"

@@ -20,6 +20,9 @@
   (:mod:`torchscale_fairseq.criterions.balance_check`);
 - expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
   out and their gradients are averaged over their replica groups;
+- after each update the MoE layers' auxiliary-loss-free expert biases move by the update's
+  load (``--moe-router-bias-update-rate``, :func:`~torchscale_fairseq.modules.moe.layer.update_expert_biases`);
+  a skipped update moves none;
 - ``--zero-sharding os`` shards the optimizer state over the data-parallel group
   (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
@@ -62,6 +65,7 @@ from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
+from torchscale_fairseq.modules.moe.layer import discard_expert_loads, update_expert_biases
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
 from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
@@ -210,12 +214,19 @@ class TsTrainer(Trainer):
 
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
+        updates = self.get_num_updates()
         try:
             with cpu_autocast(self.cfg.common.amp, self.device):
                 logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
+            discard_expert_loads(self._model)
             return self._skip_update(str(e))
         self.skipped_in_a_row = 0
+        if self.get_num_updates() > updates:  # --moe-router-bias-update-rate: after the optimizer step
+            update_expert_biases(self._model, self.data_parallel_process_group if self.data_parallel_world_size > 1
+                                 else None)
+        else:
+            discard_expert_loads(self._model)
         return logging_output
 
     def _skip_update(self, reason: str) -> None:

@@ -28,7 +28,25 @@ class TsMoEConfig(FairseqDataclass):
 
     moe_expert_count: int = field(default=0, metadata={"help": "experts per MoE layer (0 = dense model)"})
     moe_freq: int = field(default=2, metadata={"help": "every moe-freq-th FFN becomes an MoE layer"})
-    moe_top_k: int = field(default=2, metadata={"help": "experts per token (1 = Switch, 2 = GShard)"})
+    moe_top_k: int = field(default=2, metadata={
+        "help": "experts per token, 1 to 8 (1 = Switch, 2 = GShard; more with narrower --moe-expert-ffn-dim: "
+                "fine-grained experts, DeepSeekMoE; Megatron-core --moe-router-topk)"})
+    moe_expert_ffn_dim: int = field(default=0, metadata={
+        "help": "hidden width of each expert (0: the dense FFN's --*-ffn-embed-dim; Megatron-core "
+                "--moe-ffn-hidden-size)"})
+    moe_shared_expert_count: int = field(default=0, metadata={
+        "help": "shared experts every token passes, as one FFN this many times --moe-expert-ffn-dim wide, added to "
+                "the routed output (DeepSeekMoE; Megatron-core --moe-shared-expert-intermediate-size = count x "
+                "width); 0 = none"})
+    moe_expert_parallel_size: int = field(default=0, metadata={
+        "help": "spread the experts over all-to-all groups of this many data-parallel ranks, replicated over the "
+                "groups (it must divide the data-parallel size and the expert count; Megatron-core "
+                "--expert-model-parallel-size); 0: all data-parallel ranks when the expert count is a multiple of "
+                "them, else groups of expert-count ranks"})
+    moe_router_bias_update_rate: float = field(default=0.0, metadata={
+        "help": "auxiliary-loss-free balancing (DeepSeek-V3; Megatron-core --moe-router-bias-update-rate): a "
+                "per-expert bias added to the router probabilities for the choice only, moved by this rate times "
+                "sign(mean load - load) after each update; 0 = off (DeepSeek-V3: 1e-3)"})
     moe_router: ChoiceEnum(ROUTERS) = field(
         default="xmoe", metadata={"help": "xmoe (low-dim cosine router), linear (softmax gate), expert_choice, or "
                                    "torchscale_xmoe (TorchScale 0.3.0's use_xmoe gate: (W x).e/|e|, no temperature)"}

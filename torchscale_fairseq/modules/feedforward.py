@@ -5,6 +5,8 @@ fused gate/up ``fc1`` (stride 2): ``silu(x W_g) * (x W_u)``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,31 +37,38 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(h) if activation == "gelu" else F.relu(h)
 
 
+@dataclass(frozen=True)
+class FFNSpec:
+    """One FFN ``fc2(act(fc1 x))`` of width ``embed_dim -> ffn_dim -> embed_dim``: its activation,
+    the dropout on the activation, Magneto's Sub-LN before ``fc2`` (``subln``, epsilon
+    ``layernorm_eps``) and the init gain of both projections (Magneto / DeepNorm). Taken by the
+    dense FFN, the experts (:class:`~torchscale_fairseq.modules.moe.experts.GroupedExperts`) and
+    the MoE layer."""
+
+    embed_dim: int
+    ffn_dim: int
+    activation: str = "gelu"
+    activation_dropout: float = 0.0
+    subln: bool = False
+    gain: float = 1.0
+    layernorm_eps: float = 1e-5
+
+
 class FeedForwardNetwork(nn.Module):
-    def __init__(
-        self,
-        embed_dim: int,
-        ffn_dim: int,
-        activation: str = "gelu",
-        activation_dropout: float = 0.0,
-        subln: bool = False,
-        gain: float = 1.0,
-        layernorm_eps: float = 1e-5,
-        tp_group: TensorParallelGroup = None,
-        sequence_parallel: bool = False,
-    ) -> None:
+    def __init__(self, spec: FFNSpec, *, tp_group: TensorParallelGroup = None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        check_activation(activation)
-        self.activation = activation
-        self.activation_dropout = activation_dropout
-        parts = 2 if activation == "swiglu" else 1
+        check_activation(spec.activation)
+        self.activation = spec.activation
+        self.activation_dropout = spec.activation_dropout
+        parts = 2 if spec.activation == "swiglu" else 1
         self.fc1 = ColumnParallelLinear(
-            embed_dim, parts * ffn_dim, stride=parts,
-            init_method=scaled_xavier_blocks(parts, {i: gain for i in range(parts)}), what="FFN dimension",
+            spec.embed_dim, parts * spec.ffn_dim, stride=parts,
+            init_method=scaled_xavier_blocks(parts, {i: spec.gain for i in range(parts)}), what="FFN dimension",
             tp_group=tp_group, sequence_parallel=sequence_parallel,
         )
-        self.ffn_layernorm = ParallelLayerNorm(ffn_dim, eps=layernorm_eps, tp_group=tp_group) if subln else None
-        self.fc2 = RowParallelLinear(ffn_dim, embed_dim, init_method=scaled_xavier_blocks(1, {0: gain}),
+        self.ffn_layernorm = (ParallelLayerNorm(spec.ffn_dim, eps=spec.layernorm_eps, tp_group=tp_group)
+                              if spec.subln else None)
+        self.fc2 = RowParallelLinear(spec.ffn_dim, spec.embed_dim, init_method=scaled_xavier_blocks(1, {0: spec.gain}),
                                      what="FFN dimension", tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,9 @@ class TsLMConfig(PretrainedConfig):
         moe_top_k: int = 2,
         moe_router: str = "xmoe",
         moe_router_dim: int = 16,
+        moe_expert_ffn_dim: int = 0,
+        moe_shared_expert_count: int = 0,
+        moe_router_bias: bool = False,
         moe_eval_capacity_factor: float = 0.0,
         moe_normalize_gate_prob_before_dropping: bool = False,
         adaptive_input_cutoff: Optional[list[int]] = None,
@@ -111,6 +114,9 @@ class TsLMConfig(PretrainedConfig):
         self.moe_top_k = moe_top_k
         self.moe_router = moe_router
         self.moe_router_dim = moe_router_dim
+        self.moe_expert_ffn_dim = moe_expert_ffn_dim or intermediate_size  # each expert's width
+        self.moe_shared_expert_count = moe_shared_expert_count  # one FFN this many experts wide
+        self.moe_router_bias = moe_router_bias  # an expert_bias added to the probabilities for the choice
         self.moe_eval_capacity_factor = moe_eval_capacity_factor
         self.moe_normalize_gate_prob_before_dropping = moe_normalize_gate_prob_before_dropping
         self.adaptive_input_cutoff = adaptive_input_cutoff

@@ -204,15 +204,16 @@ class TsCrossAttention(TsAttentionBase):
 class TsFeedForward(nn.Module):
     """``fc2(act(fc1 x))``, Sub-LN on the activation under Magneto."""
 
-    def __init__(self, config: TsLMConfig) -> None:
+    def __init__(self, config: TsLMConfig, width: Optional[int] = None) -> None:
+        """``width``: the hidden width (default ``intermediate_size``; an MoE layer's shared experts)."""
         super().__init__()
         parts = 2 if config.activation == "swiglu" else 1
+        width = width or config.intermediate_size
         self.activation = config.activation
         self.activation_dropout = config.activation_dropout
-        self.fc1 = nn.Linear(config.hidden_size, parts * config.intermediate_size)
-        self.ffn_layernorm = (nn.LayerNorm(config.intermediate_size, eps=config.layer_norm_eps)
-                              if config.subln else None)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = nn.Linear(config.hidden_size, parts * width)
+        self.ffn_layernorm = nn.LayerNorm(width, eps=config.layer_norm_eps) if config.subln else None
+        self.fc2 = nn.Linear(width, config.hidden_size)
 
     def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``keep`` (real-token mask) matters only to :class:`TsMoE`, whose signature this shares."""
@@ -257,7 +258,7 @@ class TsExperts(nn.Module):
 
     def __init__(self, config: TsLMConfig) -> None:
         super().__init__()
-        e, d, f = config.moe_expert_count, config.hidden_size, config.intermediate_size
+        e, d, f = config.moe_expert_count, config.hidden_size, config.moe_expert_ffn_dim
         parts = 2 if config.activation == "swiglu" else 1
         self.activation = config.activation
         self.eps = config.layer_norm_eps
@@ -276,10 +277,12 @@ class TsExperts(nn.Module):
 
 
 class TsMoE(nn.Module):
-    """Top-1 (Switch, gate ``p_1``) or top-2 (GShard, gates normalised over the kept experts)
-    routing of the real tokens, as fairseq evaluates it: both experts kept, capacity
-    ``min(T, ceil(f T k / E))`` slots per expert in priority order (every first choice before
-    any second choice), no dropping when ``f <= 0``. ``y_t = sum_a gate_a * expert_a(x_t)``."""
+    """Top-1 (Switch, gate ``p_1``) or top-k, k >= 2 (GShard, fine-grained; gates normalised over the
+    kept experts) routing of the real tokens, as fairseq evaluates it: every chosen expert kept,
+    capacity ``min(T, ceil(f T k / E))`` slots per expert in priority order (every first choice before
+    any second choice, and so on), no dropping when ``f <= 0``; with ``expert_bias`` (auxiliary-loss-free
+    balancing) the experts are chosen by ``p + bias``, the gates stay ``p``.
+    ``y_t = sum_a gate_a * expert_a(x_t)`` plus the shared experts' FFN of ``x_t`` when there are any."""
 
     def __init__(self, config: TsLMConfig) -> None:
         super().__init__()
@@ -288,6 +291,12 @@ class TsMoE(nn.Module):
         self.normalize_before_dropping = config.moe_normalize_gate_prob_before_dropping
         self.router = TsLinearRouter(config) if config.moe_router == "linear" else TsXMoERouter(config)
         self.experts = TsExperts(config)
+        self.shared_experts = (TsFeedForward(config, config.moe_shared_expert_count * config.moe_expert_ffn_dim)
+                               if config.moe_shared_expert_count > 0 else None)
+        if config.moe_router_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.moe_expert_count))
+        else:
+            self.expert_bias = None
 
     def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         flat = x.reshape(-1, x.size(-1))
@@ -297,8 +306,12 @@ class TsMoE(nn.Module):
         probs = torch.softmax(self.router(tokens), dim=-1)
         capacity = n if self.capacity_factor <= 0 else min(n, math.ceil(self.capacity_factor * n * self.top_k
                                                                         / self.num_experts))
-        gates, experts = probs.topk(self.top_k, dim=-1)
-        if self.top_k == 2 and self.normalize_before_dropping:
+        if self.expert_bias is None:
+            gates, experts = probs.topk(self.top_k, dim=-1)
+        else:  # auxiliary-loss-free balancing: the bias chooses, the gates stay the probabilities
+            experts = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
+            gates = probs.gather(1, experts)
+        if self.top_k >= 2 and self.normalize_before_dropping:
             gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
         token = torch.arange(n, device=x.device).repeat(self.top_k)
         expert, gate = experts.t().reshape(-1), gates.t().reshape(-1)
@@ -308,7 +321,7 @@ class TsMoE(nn.Module):
             slot[mine] = torch.arange(int(mine.sum()), device=x.device)
         kept = slot < capacity
         token, expert, gate = token[kept], expert[kept], gate[kept]
-        if self.top_k == 2 and not self.normalize_before_dropping:
+        if self.top_k >= 2 and not self.normalize_before_dropping:
             total = torch.zeros(n, dtype=gate.dtype, device=x.device).index_add(0, token, gate)
             gate = gate / total.clamp(min=torch.finfo(gate.dtype).eps)[token]
         out = torch.zeros_like(tokens)
@@ -316,6 +329,8 @@ class TsMoE(nn.Module):
             mine = expert.eq(e)
             rows = self.experts(tokens.index_select(0, token[mine]), e)
             out.index_add_(0, token[mine], rows * gate[mine].to(rows.dtype).unsqueeze(1))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         return flat.new_zeros(flat.shape).index_copy(0, index, out).view_as(x)
 
 

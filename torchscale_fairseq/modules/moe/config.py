@@ -12,6 +12,7 @@ SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
 CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py
 EXPERT_TENSOR_PARALLEL = ("split", "replicate")
+MAX_TOP_K = 8
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,10 @@ class MoEConfig:
     expert_count: int
     freq: int = 2
     top_k: int = 2
+    expert_ffn_dim: int = 0  # 0: the dense FFN's width
+    shared_expert_count: int = 0
+    router_bias_update_rate: float = 0.0
+    expert_parallel_size: int = 0  # 0: the default layout of .groups
     router: str = "xmoe"
     router_dim: int = 16
     gate_noise: float = 0.0
@@ -46,6 +51,10 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         expert_count=count,
         freq=getattr(args, "moe_freq", 2),
         top_k=getattr(args, "moe_top_k", 2),
+        expert_ffn_dim=getattr(args, "moe_expert_ffn_dim", 0) or 0,
+        shared_expert_count=getattr(args, "moe_shared_expert_count", 0) or 0,
+        router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 0.0) or 0.0,
+        expert_parallel_size=getattr(args, "moe_expert_parallel_size", 0) or 0,
         router=str(getattr(args, "moe_router", "xmoe")),
         router_dim=getattr(args, "moe_router_dim", 16),
         gate_noise=getattr(args, "moe_gate_noise", 0.0),
@@ -64,8 +73,8 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
 def check_moe_config(cfg: MoEConfig) -> None:
     if cfg.freq <= 0:
         raise TsConfigError(f"--moe-freq {cfg.freq} must be positive: use 1 (every FFN) or 2 (every second FFN)")
-    if cfg.top_k not in (1, 2):
-        raise TsConfigError(f"--moe-top-k {cfg.top_k} is not supported: use 1 or 2")
+    if not 1 <= cfg.top_k <= MAX_TOP_K:
+        raise TsConfigError(f"--moe-top-k {cfg.top_k} is not supported: use 1 to {MAX_TOP_K}")
     if cfg.top_k > cfg.expert_count:
         raise TsConfigError(
             f"--moe-top-k {cfg.top_k} is larger than --moe-expert-count {cfg.expert_count}: lower top-k or add experts"
@@ -87,5 +96,24 @@ def check_moe_config(cfg: MoEConfig) -> None:
                         ("--moe-eval-capacity-factor", cfg.eval_capacity_factor)):
         if value < 0:
             raise TsConfigError(f"{flag} {value} is negative: use 0 (no dropping) or a factor > 0 (GShard: 1.25)")
+    if cfg.top_k > 2 and cfg.second_expert_policy in ("sampling", "coin"):
+        raise TsConfigError(f"--moe-second-expert-policy {cfg.second_expert_policy} applies to top-2 only: with "
+                            f"--moe-top-k {cfg.top_k} every chosen expert is kept (use random or all)")
+    if cfg.expert_ffn_dim < 0:
+        raise TsConfigError(f"--moe-expert-ffn-dim {cfg.expert_ffn_dim} is negative: use 0 (the dense FFN's "
+                            "width) or a positive width")
+    if cfg.shared_expert_count < 0:
+        raise TsConfigError(f"--moe-shared-expert-count {cfg.shared_expert_count} is negative: use 0 (none) or "
+                            "a positive count")
+    if cfg.router_bias_update_rate < 0:
+        raise TsConfigError(f"--moe-router-bias-update-rate {cfg.router_bias_update_rate} is negative: use 0 (off) "
+                            "or a small positive rate (DeepSeek-V3: 1e-3)")
+    if cfg.router_bias_update_rate > 0 and cfg.router == "expert_choice":
+        raise TsConfigError("--moe-router-bias-update-rate biases each token's choice of experts, and "
+                            "--moe-router expert_choice has experts choose tokens: use a token-choice router "
+                            "(xmoe, linear, torchscale_xmoe) or rate 0")
+    if cfg.router_bias_update_rate > 0 and cfg.top_k == 2 and cfg.second_expert_policy == "sampling":
+        raise TsConfigError("--moe-router-bias-update-rate with --moe-second-expert-policy sampling: the Gumbel "
+                            "draw of the second expert ignores the bias; use random or all")
     if cfg.router == "expert_choice" and cfg.capacity_factor <= 0:
         raise TsConfigError("--moe-router expert_choice needs --moe-capacity-factor > 0 (tokens each expert takes)")

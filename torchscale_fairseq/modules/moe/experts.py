@@ -63,7 +63,7 @@ from torchscale_fairseq.model_parallel.mappings import reduce_from_tensor_parall
 from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
-from torchscale_fairseq.modules.feedforward import activate, check_activation
+from torchscale_fairseq.modules.feedforward import FFNSpec, activate, check_activation
 
 logger = logging.getLogger(__name__)
 
@@ -238,42 +238,33 @@ class GroupedBias(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    def __init__(
-        self,
-        num_local: int,
-        first_expert: int,
-        embed_dim: int,
-        ffn_dim: int,
-        activation: str = "gelu",
-        activation_dropout: float = 0.0,
-        subln: bool = False,
-        gain: float = 1.0,
-        layernorm_eps: float = 1e-5,
-        tp_group: TensorParallelGroup = None,
-    ) -> None:
-        """``tp_group``: the tensor-parallel group each expert is split over (``None``: whole)."""
+    def __init__(self, spec: FFNSpec, *, num_local: int, first_expert: int = 0,
+                 tp_group: TensorParallelGroup = None) -> None:
+        """Experts ``first_expert .. first_expert + num_local - 1``, each an FFN of ``spec``;
+        ``tp_group``: the tensor-parallel group each expert is split over (``None``: whole)."""
         super().__init__()
-        check_activation(activation)
-        self.activation = activation
-        self.activation_dropout = activation_dropout
-        self.layernorm_eps = layernorm_eps
+        check_activation(spec.activation)
+        embed_dim, ffn_dim = spec.embed_dim, spec.ffn_dim
+        self.activation = spec.activation
+        self.activation_dropout = spec.activation_dropout
+        self.layernorm_eps = spec.layernorm_eps
         self.ffn_dim = ffn_dim
         self.tp_group = tp_group
         n, rank = group_size(tp_group), group_rank(tp_group)
         shard = divide(ffn_dim, n, "FFN dimension of the experts")
-        parts = 2 if activation == "swiglu" else 1
+        parts = 2 if spec.activation == "swiglu" else 1
         self.fc1_weight = nn.Parameter(torch.empty(num_local, embed_dim, parts * shard))
         self.fc1_bias = nn.Parameter(torch.zeros(num_local, parts * shard))
         self.fc2_weight = nn.Parameter(torch.empty(num_local, shard, embed_dim))
         self.fc2_bias = nn.Parameter(torch.zeros(num_local, embed_dim))
-        self.ln_weight = nn.Parameter(torch.ones(num_local, shard)) if subln else None
-        self.ln_bias = nn.Parameter(torch.zeros(num_local, shard)) if subln else None
+        self.ln_weight = nn.Parameter(torch.ones(num_local, shard)) if spec.subln else None
+        self.ln_bias = nn.Parameter(torch.zeros(num_local, shard)) if spec.subln else None
         self.grad_buffers = GradBuffers()
         self.grouped_mm: bool | None = None  # None: where grouped_mm_fits; True / False: always / never
         # every draw on the CPU (the base from the CPU default generator, the experts from CPU
         # generators), copied to the parameters' device: the same weights whatever the default device
         base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
-        std1 = gain * math.sqrt(2.0 / (embed_dim + ffn_dim))
+        std1 = spec.gain * math.sqrt(2.0 / (embed_dim + ffn_dim))
         with torch.no_grad():
             for i in range(num_local):
                 g = torch.Generator().manual_seed(base + first_expert + i)

@@ -19,8 +19,7 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
     moe = getattr(cfg, "moe", None)
     if moe is None or not moe.is_moe_layer(index):
         return None
-    b = cfg.backbone
     tp_group = cfg.tp_group if moe.expert_tensor_parallel == "split" else None
-    return MoELayer(moe, cfg.embed_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, b.subln, b.gain,
-                    cfg.layernorm_eps, tag=tag, parallel=get_expert_parallel(moe.expert_count), tp_group=tp_group,
+    parallel = get_expert_parallel(moe.expert_count, moe.expert_parallel_size)
+    return MoELayer(moe, cfg.ffn_spec(), tag=tag, parallel=parallel, tp_group=tp_group,
                     sequence_group=cfg.tp_group if getattr(cfg, "sequence_parallel", False) else None)

@@ -1,8 +1,10 @@
 """From router scores to a routing plan: which token goes to which expert slot, with
 which combine weight.
 
-Token choice (GShard/Switch, top-1 or top-2), on ``p = softmax(s)``:
+Token choice (Switch, GShard, fine-grained top-k up to 8), on ``p = softmax(s)``:
 - top-1 (Switch): gate ``p_e1``;
+- top-k, k >= 3 (fine-grained experts, DeepSeekMoE; Megatron-core's top-k): every chosen expert
+  is kept, gates ``p_ei`` normalised over the kept ones as for top-2;
 - top-2 (GShard): gates ``p_e1, p_e2``. The second-expert policies are those of fairseq's
   MoE branch and TorchScale (``top2gating``): ``all`` keeps the second-best expert;
   ``random`` keeps it when ``2 g_2 > U(0, 1)`` (``g_2 = p_e2``, or ``p_e2 / (p_e1 + p_e2)``
@@ -12,6 +14,9 @@ Token choice (GShard/Switch, top-1 or top-2), on ``p = softmax(s)``:
   Evaluation always uses ``all``. Gates are normalised to sum to 1 over the kept experts
   either before capacity dropping (``--moe-normalize-gate-prob-before-dropping``) or after
   it (default).
+Auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2): with a per-expert ``bias``, the
+experts are chosen by ``p + bias`` (the top-k, and the top-2 ``random`` policy's second
+expert), while the gates stay ``p`` of the chosen experts.
 Expert choice (Zhou et al. 2022): each expert takes its top-``C`` tokens by ``p``,
 gate ``p_{t,e}``; a token may get any number of experts, including none.
 """
@@ -48,11 +53,16 @@ def top_k_routing(
     second_expert_policy: str = "random",
     normalize_before_dropping: bool = False,
     training: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> Routing:
-    """Token-choice routing of ``probs`` (T, E)."""
+    """Token-choice routing of ``probs`` (T, E); ``bias`` (E,): added for the choice only."""
     num_tokens, num_experts = probs.shape
     capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
-    gates, experts = probs.topk(top_k, dim=-1)
+    if bias is None:
+        gates, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs.detach() + bias.to(probs.dtype)).topk(top_k, dim=-1).indices
+        gates = probs.gather(1, experts)
     tokens = torch.arange(num_tokens, device=probs.device)
     first = experts[:, 0]
     if top_k == 1:
@@ -60,21 +70,22 @@ def top_k_routing(
         keep = slot < capacity
         return Routing(tokens[keep], first[keep], slot[keep], gates[keep, 0], capacity, first, first,
                        num_tokens, int((~keep).sum()))
-    policy = second_expert_policy if training else "all"
+    policy = second_expert_policy if training and top_k == 2 else "all"
     second = experts[:, 1] if policy != "sampling" else gumbel_second_expert(probs, first)
-    g1, g2 = gates[:, 0], probs.gather(1, second.unsqueeze(1)).squeeze(1)
+    others = [second, *experts[:, 2:].unbind(1)]
+    g = [gates[:, 0], probs.gather(1, second.unsqueeze(1)).squeeze(1), *gates[:, 2:].unbind(1)]
     if normalize_before_dropping:
-        denom = (g1 + g2).clamp(min=torch.finfo(g1.dtype).eps)
-        g1, g2 = g1 / denom, g2 / denom
+        denom = sum(g[1:], g[0]).clamp(min=torch.finfo(g[0].dtype).eps)
+        g = [gi / denom for gi in g]
     if policy == "random":
-        second_on = 2 * g2.detach() > torch.rand_like(g2)
+        second_on = 2 * g[1].detach() > torch.rand_like(g[1])
     elif policy == "coin":
-        second_on = torch.rand_like(g2) < 0.5
+        second_on = torch.rand_like(g[1]) < 0.5
     else:
-        second_on = torch.ones_like(g2, dtype=torch.bool)
-    expert = torch.cat([first, second[second_on]])
-    token = torch.cat([tokens, tokens[second_on]])
-    gate = torch.cat([g1, g2[second_on]])
+        second_on = torch.ones_like(g[1], dtype=torch.bool)
+    expert = torch.cat([first, others[0][second_on], *others[1:]])
+    token = torch.cat([tokens, tokens[second_on], *[tokens] * (top_k - 2)])
+    gate = torch.cat([g[0], g[1][second_on], *g[2:]])
     slot = assign_slots(expert, num_experts)
     keep = slot < capacity
     if not normalize_before_dropping:

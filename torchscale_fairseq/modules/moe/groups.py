@@ -3,12 +3,14 @@ tensor-parallel rank has its own data-parallel group and the all-to-all runs ins
 the ranks of one tensor-parallel group hold the same experts, each its shard of every
 expert (``--moe-expert-tensor-parallel split``) or whole copies (``replicate``).
 
-With ``W`` data-parallel ranks and ``E`` experts:
-- ``E`` a multiple of ``W``: one all-to-all group of all ``W`` ranks, ``E / W`` experts
-  per rank (rank ``r`` holds experts ``r E/W ... (r+1) E/W - 1``), no replicas;
-- ``W`` a multiple of ``E``: all-to-all groups of ``E`` consecutive data-parallel ranks,
-  one expert per rank; the ranks at the same position of each group hold replicas of
-  the same expert (the replica group, over which its gradients are summed).
+With ``W`` data-parallel ranks and ``E`` experts, the experts are spread over all-to-all groups
+of ``A`` consecutive data-parallel ranks, ``E / A`` experts per rank (position ``r`` of a group
+holds experts ``r E/A ... (r+1) E/A - 1``); the ranks at the same position of each group hold
+replicas of the same experts (the replica group, over which their gradients are summed).
+``A`` is ``--moe-expert-parallel-size`` (Megatron-core's expert parallel size, decoupled from the
+data-parallel size: ``A`` must divide ``W`` and ``E``), or by default:
+- ``E`` a multiple of ``W``: ``A = W``, no replicas;
+- ``W`` a multiple of ``E``: ``A = E``, one expert per rank.
 """
 
 from __future__ import annotations
@@ -38,11 +40,24 @@ class ExpertParallel:
     data_parallel_size: int = 1
 
 
-_CACHE: dict[int, ExpertParallel] = {}
+_CACHE: dict[tuple[int, int], ExpertParallel] = {}
 
 
-def expert_layout(world: int, num_experts: int) -> tuple[int, int]:
-    """``(all-to-all group size, experts per rank)``; one-line error when incompatible."""
+def expert_layout(world: int, num_experts: int, expert_parallel_size: int = 0) -> tuple[int, int]:
+    """``(all-to-all group size, experts per rank)`` over ``world`` data-parallel ranks
+    (``expert_parallel_size`` 0: the default above); one-line error when incompatible."""
+    size = expert_parallel_size
+    if size < 0:
+        raise TsConfigError(f"--moe-expert-parallel-size {size} is negative: use 0 (the default layout) or a "
+                            "divisor of the data-parallel size")
+    if size:
+        if world % size:
+            raise TsConfigError(f"--moe-expert-parallel-size {size} does not divide the {world} data-parallel "
+                                f"rank(s): use a divisor of {world} (or 0 for the default layout)")
+        if num_experts % size:
+            raise TsConfigError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count "
+                                f"{num_experts}: use a size that divides both {num_experts} and {world}")
+        return size, num_experts // size
     if num_experts % world == 0:
         return world, num_experts // world
     if world % num_experts == 0:
@@ -58,16 +73,18 @@ def _data_parallel_layout() -> list[list[int]]:
     return tensor_parallel_groups_layout(world, get_tensor_parallel_world_size())[1]
 
 
-def get_expert_parallel(num_experts: int) -> ExpertParallel:
+def get_expert_parallel(num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
     """The layout for ``num_experts`` (groups are created once, by every rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        expert_layout(1, num_experts, expert_parallel_size)  # the flag's checks
         return ExpertParallel(num_experts, num_experts, 0)
-    if num_experts in _CACHE:
-        return _CACHE[num_experts]
+    key = (num_experts, expert_parallel_size)
+    if key in _CACHE:
+        return _CACHE[key]
     me = dist.get_rank()
     dp_layout = _data_parallel_layout()
     size = len(dp_layout[0])
-    a2a_size, local = expert_layout(size, num_experts)
+    a2a_size, local = expert_layout(size, num_experts, expert_parallel_size)
     result = None
     for dp_ranks in dp_layout:
         blocks = [dp_ranks[i: i + a2a_size] for i in range(0, size, a2a_size)]
@@ -85,7 +102,7 @@ def get_expert_parallel(num_experts: int) -> ExpertParallel:
             num_experts, local, a2a_rank * local, a2a_size, a2a_rank,
             a2a_group if a2a_size > 1 else None, replica_groups[a2a_rank], dp_group, size,
         )
-    _CACHE[num_experts] = result
+    _CACHE[key] = result
     return result
 
 

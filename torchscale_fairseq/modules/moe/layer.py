@@ -39,10 +39,11 @@ dispatcher (an all-gather each way, ``B T C`` elements).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
@@ -52,6 +53,7 @@ from torchscale_fairseq.model_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 from torchscale_fairseq.modules.moe.balance import (
     MoEAux,
@@ -84,6 +86,30 @@ def check_generation(models: Iterable[nn.Module]) -> None:
             raise TsConfigError(EXPERT_CHOICE_DECODING)
 
 
+def update_expert_biases(model: nn.Module, data_parallel_group: object | None) -> None:
+    """Auxiliary-loss-free balancing after an update (DeepSeek-V3, section 2.1.2): each MoE layer's
+    ``expert_bias`` moves by ``rate * sign(mean load - load_e)``, ``load_e`` the assignments its
+    router asked of expert ``e`` (before capacity dropping) over the update's training tokens of
+    every rank in ``data_parallel_group`` (one all-reduce for all layers), so the biases stay equal
+    on every rank; the counts start again from zero."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    if not layers:
+        return
+    loads = torch.cat([m.expert_load for m in layers]).float()
+    if data_parallel_group is not None and dist.is_initialized() and dist.get_world_size(data_parallel_group) > 1:
+        dist.all_reduce(loads, group=data_parallel_group)
+    for layer, load in zip(layers, loads.split([m.cfg.expert_count for m in layers])):
+        layer.expert_bias += layer.cfg.router_bias_update_rate * torch.sign(load.mean() - load)
+    discard_expert_loads(model)
+
+
+def discard_expert_loads(model: nn.Module) -> None:
+    """Forget the loads counted since the last update (a skipped update changes no bias)."""
+    for m in model.modules():
+        if isinstance(m, MoELayer) and m.expert_load is not None:
+            m.expert_load.zero_()
+
+
 @dataclass
 class RecomputeMemo:
     """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
@@ -111,29 +137,41 @@ class MoELayer(nn.Module):
     def __init__(
         self,
         cfg: MoEConfig,
-        embed_dim: int,
-        ffn_dim: int,
-        activation: str = "gelu",
-        activation_dropout: float = 0.0,
-        subln: bool = False,
-        gain: float = 1.0,
-        layernorm_eps: float = 1e-5,
+        spec: FFNSpec,
+        *,
         tag: str = "",
         parallel: ExpertParallel | None = None,
         tp_group: TensorParallelGroup = None,
         sequence_group: TensorParallelGroup = None,
     ) -> None:
+        """``spec``: the stack's dense FFN; each expert is one of width ``cfg.expert_ffn_dim``
+        (0: ``spec.ffn_dim``), the shared experts one FFN ``cfg.shared_expert_count`` times as wide."""
         super().__init__()
         self.cfg = cfg
         self.sequence_group = sequence_group
         self.tag = tag
         self.parallel = parallel or ExpertParallel(cfg.expert_count, cfg.expert_count, 0)  # all experts local
-        self.router = build_router(cfg.router, embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
-        self.experts = GroupedExperts(
-            self.parallel.local_experts, self.parallel.first_expert, embed_dim, ffn_dim, activation,
-            activation_dropout, subln, gain, layernorm_eps, tp_group,
-        )
+        self.router = build_router(cfg.router, spec.embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
+        expert_spec = replace(spec, ffn_dim=cfg.expert_ffn_dim or spec.ffn_dim)
+        self.experts = GroupedExperts(expert_spec, num_local=self.parallel.local_experts,
+                                      first_expert=self.parallel.first_expert, tp_group=tp_group)
         self.experts.set_groups(self.parallel.group, self.parallel.replica_group)
+        self.shared_experts = None
+        if cfg.shared_expert_count > 0:
+            shared_spec = replace(expert_spec, ffn_dim=cfg.shared_expert_count * expert_spec.ffn_dim)
+            self.shared_experts = FeedForwardNetwork(shared_spec, tp_group=tp_group)
+        if cfg.router_bias_update_rate > 0:  # fp32 bias, saved in checkpoints; integer counts
+            self.register_buffer("expert_bias", torch.zeros(cfg.expert_count))
+            self.register_buffer("expert_load", torch.zeros(cfg.expert_count, dtype=torch.long), persistent=False)
+        else:
+            self.expert_bias = self.expert_load = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.half()`` / ``bfloat16()`` keep the expert bias in fp32 (Megatron-core does too)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     def route(self, scores: torch.Tensor, incremental: bool = False) -> tuple[torch.Tensor, Routing]:
         """Router probabilities (fp32) and the routing plan from the router's ``scores`` (N, E)."""
@@ -145,7 +183,7 @@ class MoELayer(nn.Module):
                 raise TsConfigError(EXPERT_CHOICE_DECODING)
             return probs, expert_choice_routing(probs, cfg.top_k, factor if factor > 0 else cfg.capacity_factor)
         return probs, top_k_routing(probs, cfg.top_k, factor, cfg.second_expert_policy,
-                                    cfg.normalize_gate_prob_before_dropping, self.training)
+                                    cfg.normalize_gate_prob_before_dropping, self.training, self.expert_bias)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 incremental: bool = False, memo: RecomputeMemo | None = None) -> tuple[torch.Tensor, MoEAux]:
@@ -182,8 +220,12 @@ class MoELayer(nn.Module):
             if memo is not None:
                 memo.totals = totals
         stats = memo.stats if replay else routing_stats(probs, routing.requested, routing.routed, routing.dropped)
+        if self.expert_load is not None and self.training and not replay:
+            self.expert_load += torch.bincount(routing.requested, minlength=self.cfg.expert_count)
         aux = MoEAux(self.tag, loss, router_z_loss(scores), stats, group)
         out = self.dispatch_combine(tokens, routing, memo)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         if memo is not None:
             memo.stats, memo.filled = stats, True
         if keep is not None:
