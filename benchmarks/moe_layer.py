@@ -1,6 +1,9 @@
 """Forward+backward time of one MoE layer (top-2, T = 8192 tokens, d = 512, FFN 2048)
 for E = 16, 64, 256, divided by 2x the time of a dense FFN of the same size on the same
-tokens (ideal ratio 1.0: top-2 does two FFNs' work per token). A GShard-style one-hot
+tokens (ideal ratio 1.0: top-2 does two FFNs' work per token). ``--top-k K --expert-ffn-dim F``
+times other routings against the dense FFNs of the same FLOPs (``K F / FFN`` of them): top-1
+(``--top-k 1``: one dense FFN) or fine-grained experts (``--top-k 8 --expert-ffn-dim 512``: the
+FLOPs of top-2 at full width). A GShard-style one-hot
 dispatch (``T x E x C`` einsums) with the same router and experts is timed in the same
 run as the reference. Capacity factor 1.0, second expert always kept (worst case).
 
@@ -21,12 +24,15 @@ last line, ``RESULT``, gives the median ratio at every E and the verdict against
 (1.25) at the worst E.
 ``--expert-gemm``: ``auto`` (the layer's default: ``torch._grouped_mm`` on a Hopper GPU in bf16
 once its probe passed, one ``addmm`` per expert elsewhere), ``grouped`` or ``loop`` (forced; the CPU
-runs ``torch._grouped_mm`` too, as a loop of GEMMs inside PyTorch).
+runs ``torch._grouped_mm`` too, as a loop of GEMMs inside PyTorch), or ``both``: a grouped and a loop
+layer with the same weights at every E, interleaved in the same run (the table gets a
+grouped/loop column, the verdict is taken on the grouped layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -84,10 +90,11 @@ def one_hot_step(layer: MoELayer, x: torch.Tensor):
     def step():
         layer.zero_grad(set_to_none=True)
         tokens = x.reshape(-1, x.size(-1))
-        _, r = layer.route(layer.router(tokens))
-        cap = int(r.slot.max()) + 1
+        _, plan = layer.route(layer.router(tokens))
+        token, expert, slot, gate = plan.kept_assignments()
+        cap = int(slot.max()) + 1
         combine = torch.zeros(tokens.size(0), layer.cfg.expert_count, cap, device=tokens.device, dtype=tokens.dtype)
-        combine = combine.index_put((r.token, r.expert, r.slot), r.gate.to(combine.dtype))  # gates are fp32
+        combine = combine.index_put((token, expert, slot), gate.to(combine.dtype))  # gates are fp32
         dispatch = (combine > 0).to(tokens.dtype)
         expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
         num_experts, dim = layer.cfg.expert_count, tokens.size(-1)
@@ -103,14 +110,17 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
+    parser.add_argument("--expert-ffn-dim", type=int, default=0, help="each expert's width (0: --ffn)")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--skip-one-hot-above", type=int, default=256, help="skip the einsum reference above this E")
-    parser.add_argument("--target", type=float, default=1.25, help="largest ratio (median) to 2x dense that passes")
-    parser.add_argument("--expert-gemm", default="auto", choices=["auto", "grouped", "loop"],
-                        help="the experts' GEMMs: the layer's choice, torch._grouped_mm, or one per expert")
+    parser.add_argument("--target", type=float, default=1.25,
+                        help="largest ratio (median) to the dense FFNs of the same FLOPs that passes")
+    parser.add_argument("--expert-gemm", default="auto", choices=["auto", "grouped", "loop", "both"],
+                        help="the experts' GEMMs: the layer's choice, torch._grouped_mm, one per expert, or both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -118,36 +128,46 @@ def main() -> None:
     place = dict(device=args.device, dtype=DTYPES[args.dtype])
     x = torch.randn(*shape, **place, requires_grad=True)
     dense = FeedForwardNetwork(FFNSpec(args.dim, args.ffn)).to(**place)
+    width = args.expert_ffn_dim or args.ffn
+    dense_equivalents = args.top_k * width / args.ffn  # dense FFNs of the same FLOPs per token
     print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
-          f"T={args.tokens} d={args.dim} "
-          f"ffn={args.ffn} top-2 cf=1.0 | expert GEMMs {args.expert_gemm} | zero_grad(set_to_none=True) for all | "
-          f"{args.repeats} interleaved runs")
-    layers = {e: MoELayer(MoEConfig(expert_count=e, top_k=2, capacity_factor=1.0, second_expert_policy="all"),
-                          FFNSpec(args.dim, args.ffn)).to(**place) for e in args.experts}
-    for layer in layers.values():
-        layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[args.expert_gemm]
+          f"T={args.tokens} d={args.dim} ffn={args.ffn} | top-{args.top_k} of experts {width} wide "
+          f"(= {dense_equivalents:g} dense FFNs) cf=1.0 | expert GEMMs {args.expert_gemm} | "
+          f"zero_grad(set_to_none=True) for all | {args.repeats} interleaved runs")
+    modes = ["grouped", "loop"] if args.expert_gemm == "both" else [args.expert_gemm]
+    layers: dict[tuple[int, str], MoELayer] = {}
+    for e in args.experts:
+        cfg = MoEConfig(expert_count=e, top_k=args.top_k, expert_ffn_dim=width, capacity_factor=1.0,
+                        second_expert_policy="all")
+        first = MoELayer(cfg, FFNSpec(args.dim, args.ffn)).to(**place)
+        for mode in modes:
+            layer = first if mode == modes[0] else copy.deepcopy(first)
+            layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[mode]
+            layers[(e, mode)] = layer
     samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
-    best = [min(t) for t in samples]
-    median = [statistics.median(t) for t in samples]
-    print(f"dense FFN: best {best[0] * 1e3:.0f} ms, median {median[0] * 1e3:.0f} ms")
-    print("| E | MoE best (ms) | MoE median (ms) | ratio to 2x dense (best) | ratio (median) | "
-          "one-hot einsum (ms) | one-hot ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for i, (e, layer) in enumerate(layers.items(), start=1):
-        if e <= args.skip_one_hot_above:
+    best = dict(zip(["dense", *layers], (min(t) for t in samples)))
+    median = dict(zip(["dense", *layers], (statistics.median(t) for t in samples)))
+    print(f"dense FFN: best {best['dense'] * 1e3:.0f} ms, median {median['dense'] * 1e3:.0f} ms")
+    scale = dense_equivalents
+    print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
+          "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (e, mode), layer in layers.items():
+        if e <= args.skip_one_hot_above and mode == modes[0]:
             t_ref = best_times([one_hot_step(layer, x)], max(1, min(3, args.repeats - 1)))[0]
-            ref = f"{t_ref * 1e3:.0f} | {t_ref / (2 * best[0]):.2f}"
+            ref = f"{t_ref * 1e3:.0f} | {t_ref / (scale * best['dense']):.2f}"
         else:
             ref = "skipped | -"
-        print(f"| {e} | {best[i] * 1e3:.0f} | {median[i] * 1e3:.0f} | {best[i] / (2 * best[0]):.2f} | "
-              f"{median[i] / (2 * median[0]):.2f} | {ref} |", flush=True)
-    print(f"growth E={args.experts[0]} -> E={args.experts[-1]}: {100 * (best[-1] / best[1] - 1):+.1f}% (best), "
-          f"{100 * (median[-1] / median[1] - 1):+.1f}% (median)")
-    ratios = {e: median[i] / (2 * median[0]) for i, e in enumerate(layers, start=1)}
+        versus = f"{median[(e, 'grouped')] / median[(e, 'loop')]:.2f}" if len(modes) == 2 else "-"
+        print(f"| {e} | {mode} | {best[(e, mode)] * 1e3:.0f} | {median[(e, mode)] * 1e3:.0f} | "
+              f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
+              f"{versus} | {ref} |", flush=True)
+    ratios = {e: median[(e, modes[0])] / (scale * median["dense"]) for e in args.experts}
     worst = max(ratios, key=ratios.get)
     verdict = "PASS" if ratios[worst] <= args.target else "FAIL"
-    print(f"RESULT MoE layer / 2x dense FFN (median): {', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  "
-          f"target <= {args.target}: {verdict} (worst E={worst})", flush=True)
+    print(f"RESULT MoE layer ({modes[0]}) / {scale:g}x dense FFN (median): "
+          f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {args.target}: {verdict} "
+          f"(worst E={worst})", flush=True)
 
 
 if __name__ == "__main__":

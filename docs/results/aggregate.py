@@ -7,15 +7,20 @@ Run directories named ``<config>_s<seed>`` are grouped by ``<config>`` (a name w
 suffix is its own group). Per group: number of seeds, mean ± sample standard deviation
 (min-max) of the final and best validation perplexity, final training loss (base 2), largest
 gradient norm, clipped updates, final routing entropy and BLEU/chrF where present, and how many
-seeds diverged (summarize.py's definition). ``--plot`` draws, per group, the mean over the seeds
-that logged each point, with a min-max band, of ``--metric``: ``valid_ppl``, ``train_loss``,
-``gnorm``, ``routing_entropy`` (``moe_entropy``), ``clipping`` (cumulative clipped updates) or
-any other key of the training records.
+seeds diverged (summarize.py's definition). ``--moe`` adds the MoE routing columns: expert load
+CV (``moe_cv_<layer>``, mean over the MoE layers) at the final validation and in the last training
+interval, and the dropped fraction of assignments (``moe_drop``) in the last training interval and
+averaged over the training intervals (validation never drops: ``--moe-eval-capacity-factor 0``).
+``--plot`` draws, per group, the mean over the seeds that logged each point, with a min-max band,
+of ``--metric``: ``valid_ppl``, ``train_loss``, ``gnorm``, ``routing_entropy`` (``moe_entropy``),
+``clipping`` (cumulative clipped updates), ``moe_cv`` / ``valid_moe_cv`` (load CV, mean over the
+MoE layers, training / validation) or any other key of the training records.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import sys
@@ -38,6 +43,41 @@ COLUMNS = (  # (column, metric key, decimals)
     ("BLEU", "bleu", 2),
     ("chrF", "chrf", 2),
 )
+MOE_COLUMNS = (  # with --moe
+    ("load CV valid", "cv_valid", 3),
+    ("load CV train", "cv_train", 3),
+    ("dropped train final", "drop_train", 4),
+    ("dropped train mean", "drop_mean", 4),
+)
+
+
+def _num(value: object) -> float | None:
+    """A finite number from a log value (fairseq writes numbers as strings), else ``None``."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def layer_mean(record: dict, prefix: str) -> float | None:
+    """Mean over the MoE layers of the ``<prefix><layer>`` values of one log record."""
+    values = [_num(v) for k, v in record.items() if k.startswith(prefix)]
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def moe_metrics(run_dir: Path) -> dict[str, float | None]:
+    """Final load CV (validation, training) and final training dropped fraction of one run."""
+    log = plot_logs.parse_log(run_dir / "train.log")
+    valid, train = log.records["valid"], plot_logs.training_records(log)
+    drops = [d for d in (_num(r.get("moe_drop")) for r in train) if d is not None]
+    return {
+        "cv_valid": layer_mean(valid[-1], "valid_moe_cv_") if valid else None,
+        "cv_train": layer_mean(train[-1], "moe_cv_") if train else None,
+        "drop_train": _num(train[-1].get("moe_drop")) if train else None,
+        "drop_mean": statistics.fmean(drops) if drops else None,
+    }
 
 
 def group_runs(run_dirs: Sequence[Path]) -> dict[str, list[Path]]:
@@ -59,13 +99,13 @@ def spread(values: list[float], places: int) -> str:
     return f"{fmt(mean, places)} ± {fmt(std, places)} ({fmt(min(values), places)}-{fmt(max(values), places)})"
 
 
-def table(groups: dict[str, list[Path]]) -> list[str]:
+def table(groups: dict[str, list[Path]], moe: bool = False) -> list[str]:
     """Markdown lines: one row per configuration; columns no run has are left out."""
     rows = []
     for config, dirs in groups.items():
-        ms = [metrics(d) for d in dirs]
+        ms = [{**metrics(d), **(moe_metrics(d) if moe else {})} for d in dirs]
         row = {"config": config, "seeds": str(len(ms))}
-        for column, key, places in COLUMNS:
+        for column, key, places in COLUMNS + (MOE_COLUMNS if moe else ()):
             row[column] = spread([m[key] for m in ms if m[key] is not None], places)
         row["diverged"] = f"{sum(bool(m['diverged']) for m in ms)}/{len(ms)}"
         rows.append(row)
@@ -81,6 +121,12 @@ def curve(run: plot_logs.RunLog, metric: str) -> tuple[list[float], list[float]]
         return plot_logs.valid_ppl(run)
     if metric == "clipping":
         return plot_logs.clipped_updates(run)
+    if metric in ("moe_cv", "valid_moe_cv"):  # mean over the MoE layers
+        records = run.records["valid"] if metric == "valid_moe_cv" else plot_logs.training_records(run)
+        updates = "valid_num_updates" if metric == "valid_moe_cv" else "num_updates"
+        points = [(_num(r.get(updates)), layer_mean(r, metric + "_")) for r in records]
+        points = [(x, y) for x, y in points if x is not None and y is not None]
+        return [x for x, _ in points], [y for _, y in points]
     key = {"train_loss": "loss", "routing_entropy": "moe_entropy"}.get(metric, metric)
     return plot_logs.series(plot_logs.training_records(run), key, "num_updates")
 
@@ -114,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (each with a train.log)")
     parser.add_argument("--plot", type=Path, help="write a PNG of --metric (mean and min-max band per config)")
     parser.add_argument("--metric", default="valid_ppl", help="valid_ppl, train_loss, gnorm, routing_entropy, "
-                        "clipping or a training log key (default valid_ppl)")
+                        "clipping, moe_cv, valid_moe_cv or a training log key (default valid_ppl)")
+    parser.add_argument("--moe", action="store_true", help="add the MoE columns: load CV (validation, "
+                        "training) and dropped fraction")
     parser.add_argument("--title", help="plot title (default: the metric)")
     args = parser.parse_args(argv)
     runs = [d for d in args.runs if (d / "train.log").is_file()]
@@ -123,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not runs:
         sys.exit("error: no run directory with a train.log given")
     groups = group_runs(runs)
-    print("\n".join(table(groups)))
+    print("\n".join(table(groups, args.moe)))
     if args.plot and not plot(groups, args.metric, args.plot, args.title):
         sys.exit(f"error: no run logged {args.metric!r}; nothing drawn")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|width|clip|nmt|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|width|clip|nmt|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -134,6 +134,53 @@ nmt() {
   wait
 }
 
+# Routing options (issue 26): four ways to route at the same active FLOPs per token and the same
+# routed expert parameters, in the width stage's LM (4-layer Magneto d=128, FFN 512, MoE in layers 2
+# and 4, same data, batch, lr, clipping and validation): E=8 experts of width F=256 (half the dense
+# FFN), top-2 with both experts kept (--moe-second-expert-policy all: exactly 2F active per token;
+# the recipe's default `random` drops the second expert at random), capacity factor 1.25:
+#   xmoe     X-MoE router, balance loss 0.01 (the recipe's default router and loss);
+#   zloss    xmoe + router z-loss 1e-3 (ST-MoE);
+#   auxfree  DeepSeek-V3 auxiliary-loss-free balancing: bias rate ROUTING_BIAS_RATE, balance loss 0;
+#   fine     fine-grained + shared: 32 experts of width 64, top-7, plus 1 shared expert of width 64
+#            (8 x 64 = 2 x 256 active; 32 x 64 = 8 x 256 routed), X-MoE router, balance loss 0.01.
+# ROUTING_BIAS_RATE was chosen on validation (seed 4, not one of the reported seeds): see docs/results.md.
+ROUTING_BIAS_RATE="${ROUTING_BIAS_RATE:-1e-3}"
+ROUTING_UPDATES="${ROUTING_UPDATES:-200}"
+ROUTING_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto LAYERS=4 EMBED_DIM=128 FFN_DIM=512 HEADS=4
+  TOKENS_PER_SAMPLE=128 TOTAL_BATCH=16 BATCH_SIZE=16 LR=3e-3 WARMUP=20 MAX_UPDATE="$ROUTING_UPDATES"
+  LOG_INTERVAL=10 CLIP_NORM=1.0 MOE_FREQ=2 CLIP=sparse)
+routing_run() {  # CONFIG (xmoe|zloss|auxfree|fine) SEED
+  local base="--validate-interval-updates 50 --moe-second-expert-policy all"
+  case "$1" in
+    xmoe) run "routing_$1_s$2" lm/train_moe.sh "${ROUTING_ARGS[@]}" SEED="$2" EXPERTS=8 TOP_K=2 \
+      EXTRA_ARGS="$base --moe-expert-ffn-dim 256" ;;
+    zloss) run "routing_$1_s$2" lm/train_moe.sh "${ROUTING_ARGS[@]}" SEED="$2" EXPERTS=8 TOP_K=2 \
+      EXTRA_ARGS="$base --moe-expert-ffn-dim 256 --moe-z-loss-wt 1e-3" ;;
+    auxfree) run "routing_$1_s$2" lm/train_moe.sh "${ROUTING_ARGS[@]}" SEED="$2" EXPERTS=8 TOP_K=2 BALANCE=0 \
+      EXTRA_ARGS="$base --moe-expert-ffn-dim 256 --moe-router-bias-update-rate $ROUTING_BIAS_RATE" ;;
+    fine) run "routing_$1_s$2" lm/train_moe.sh "${ROUTING_ARGS[@]}" SEED="$2" EXPERTS=32 TOP_K=7 \
+      EXTRA_ARGS="$base --moe-expert-ffn-dim 64 --moe-shared-expert-count 1" ;;
+    *) echo "routing_run: unknown config $1 (xmoe|zloss|auxfree|fine)" >&2; return 2 ;;
+  esac
+}
+# The first 20 updates of routing_xmoe_s1 again (same trajectory), logged every update and checkpointed
+# every 4, and which of router and tokens moves the routing (docs/results/routing/early_routing.py;
+# reads routing_xmoe_s1 too: run after `routing`).
+routing_early() {
+  local args=("${ROUTING_ARGS[@]}" SEED=1 EXPERTS=8 TOP_K=2 LOG_INTERVAL=1)
+  local extra="--moe-second-expert-policy all --moe-expert-ffn-dim 256 --disable-validation --no-save-optimizer-state"
+  run routing_early_u1 lm/train_moe.sh "${args[@]}" EXTRA_ARGS="$extra --max-update 1"
+  run routing_early_u20 lm/train_moe.sh "${args[@]}" EXTRA_ARGS="$extra --max-update 20 --save-interval-updates 4"
+  python docs/results/routing/early_routing.py "$RUNS" | tee "$ROOT/docs/results/routing/early_routing.txt"
+}
+routing() {
+  local c s
+  for s in "${SEEDS[@]}"; do for c in xmoe zloss auxfree fine; do sched routing_run "$c" "$s"; done; done
+  wait
+  routing_plots
+}
+
 # Mean curves with a min-max band over the seeds (docs/results/aggregate.py), and the tables of
 # docs/results.md sections 2-3.
 agg_plots() {  # OUT_DIR RUN_DIR... : one PNG per metric of $AGG_METRICS
@@ -146,6 +193,15 @@ width_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping" \
     agg_plots "$ROOT/docs/results/width" "$RUNS"/width_{dense,moe8,moe32}_s*/
 }
+routing_plots() {  # table.md with the MoE columns (load CV, dropped fraction) and the curves
+  local out="$ROOT/docs/results/routing" m
+  mkdir -p "$out"
+  python docs/results/aggregate.py --moe "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ | tee "$out/table.md"
+  for m in valid_ppl moe_gate_loss moe_cv routing_entropy; do
+    python docs/results/aggregate.py "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ --plot "$out/$m.png" \
+      --metric "$m" --title "routing options, $m, 3 seeds (mean, min-max band)" >/dev/null
+  done
+}
 clip_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping gnorm gnorm_dense gnorm_expert" \
     agg_plots "$ROOT/docs/results/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
@@ -157,6 +213,7 @@ plots() {
   depth_plots
   width_plots
   clip_plots
+  routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
     python docs/results/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]*/ --metric "$metric" \
@@ -177,9 +234,13 @@ case "${1:-all}" in
   clip_run) clip_run "$2" "$3" ;;
   nmt) nmt ;;
   nmt_run) nmt_run "$2" "$3" ;;
+  routing) routing ;;
+  routing_run) routing_run "$2" "$3" ;;
+  routing_plots) routing_plots ;;
+  routing_early) routing_early ;;
   width_plots) width_plots ;;
   clip_plots) clip_plots ;;
   plots) plots ;;
-  all) depth; width; clip; nmt; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|nmt|nmt_run CONFIG SEED|plots|all" >&2; exit 2 ;;
+  all) depth; width; clip; nmt; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

@@ -81,8 +81,9 @@ def test_sequence_parallel_moe_layer_gathers_the_sequence_once_each_way(results)
     """An X-MoE layer under sequence parallelism all-gathers the sequence at its entry
     (forward) and the output gradient at its exit (backward), besides attention's
     gathers and reduce-scatters; inside, the split experts communicate as under plain
-    tensor parallelism: ``g`` on the ``2 N`` routed rows forward, ``f`` on the ``N``
-    non-padding tokens' gradient backward."""
+    tensor parallelism: ``g`` on the ``2 N`` routed rows of the ``N`` non-padding tokens forward
+    (one GEMM per expert: the kept rows only), ``f`` on the gradient of all ``B T`` tokens backward
+    (the routing keeps fixed shapes: padding tokens are routed nowhere, not removed)."""
     b, t, d = results["sp_shape"]
     log = [tuple(entry) for entry in results["collectives"]["sp_moe"]]
     for direction, gathers in (("forward", 2), ("backward", 3)):
@@ -90,7 +91,7 @@ def test_sequence_parallel_moe_layer_gathers_the_sequence_once_each_way(results)
         assert log.count(("reduce_scatter_single", direction, b * t * d)) == 1, log
     tokens = b * t - 2  # the worker's padding mask covers two positions
     assert log.count(("all_reduce", "forward", 2 * tokens * d)) == 1, log
-    assert log.count(("all_reduce", "backward", tokens * d)) == 1, log
+    assert log.count(("all_reduce", "backward", b * t * d)) == 1, log
 
 
 def test_dropout_masks_differ_inside_the_parallel_region_only(results):

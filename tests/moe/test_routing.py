@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,13 +13,20 @@ from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity
 from torchscale_fairseq.modules.moe.config import MoEConfig
-from torchscale_fairseq.modules.moe.gating import expert_choice_routing, top_k_routing
+from torchscale_fairseq.modules.moe.gating import Routing, expert_choice_routing, top_k_routing
 from torchscale_fairseq.modules.moe.layer import MoELayer
 from torchscale_fairseq.modules.moe.routers import XMoERouter
 
 
 def _probs(t: int, e: int, seed: int = 0) -> torch.Tensor:
     return torch.softmax(torch.randn(t, e, generator=torch.Generator().manual_seed(seed)) * 2, dim=-1)
+
+
+def kept(r: Routing) -> SimpleNamespace:
+    """A routing plan's kept assignments (``token``, ``expert``, ``slot``, ``gate``) and its counts as ints."""
+    token, expert, slot, gate = r.kept_assignments()
+    return SimpleNamespace(token=token, expert=expert, slot=slot, gate=gate, dropped=int(r.dropped),
+                           routed=int(r.routed))
 
 
 def _expert_ffn(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +53,7 @@ def test_slots_rank_within_expert_in_order():
 def test_top_k_choice_capacity_and_first_choice_priority(k):
     probs = _probs(64, 4)
     r = top_k_routing(probs, k, capacity_factor=0.5, second_expert_policy="all")
+    r = kept(r)
     cap = expert_capacity(64, 4, k, 0.5)
     top = probs.topk(k, dim=-1).indices
     for t, e in zip(r.token.tolist(), r.expert.tolist()):
@@ -62,6 +71,7 @@ def test_top_k_choice_capacity_and_first_choice_priority(k):
 def test_top2_gates_sum_to_one_after_dropping():
     probs = _probs(64, 4, 1)
     r = top_k_routing(probs, 2, capacity_factor=0.6, second_expert_policy="all")
+    r = kept(r)
     sums = torch.zeros(64).index_add(0, r.token, r.gate)
     served = torch.zeros(64, dtype=torch.bool)
     served[r.token] = True
@@ -71,6 +81,7 @@ def test_top2_gates_sum_to_one_after_dropping():
 def test_top2_normalize_before_dropping():
     probs = _probs(64, 4, 2)
     r = top_k_routing(probs, 2, capacity_factor=0.6, second_expert_policy="all", normalize_before_dropping=True)
+    r = kept(r)
     top = probs.topk(2, dim=-1)
     expected = top.values / top.values.sum(-1, keepdim=True)
     for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate.tolist()):
@@ -81,6 +92,7 @@ def test_top2_normalize_before_dropping():
 def test_top1_gate_is_probability():
     probs = _probs(32, 4, 3)
     r = top_k_routing(probs, 1, capacity_factor=0.0)
+    r = kept(r)
     assert torch.allclose(r.gate, probs.max(-1).values[r.token])
     assert r.dropped == 0
 
@@ -118,6 +130,7 @@ def _our_top2_masks(probs: torch.Tensor, policy: str, normalize_before: bool, tr
     num_tokens, num_experts = probs.shape
     r = top_k_routing(probs, 2, capacity_factor=0.0, second_expert_policy=policy,
                       normalize_before_dropping=normalize_before, training=training)
+    r = kept(r)
     assert r.dropped == 0 and torch.equal(r.token[:num_tokens], torch.arange(num_tokens))
     mask1 = torch.zeros(num_tokens, num_experts, dtype=torch.long)
     mask1[r.token[:num_tokens], r.expert[:num_tokens]] = 1
@@ -172,6 +185,7 @@ def test_evaluation_keeps_the_second_best_expert(policy):
 def test_expert_choice_each_expert_takes_its_top_tokens():
     probs = _probs(40, 4, 4)
     r = expert_choice_routing(probs, 1, capacity_factor=1.0)
+    r = kept(r)
     cap = expert_capacity(40, 4, 1, 1.0)
     for e in range(4):
         chosen = sorted(r.token[r.expert == e].tolist())
@@ -199,6 +213,7 @@ def test_layer_equals_per_token_loop_and_dropped_tokens_are_zero(router, k):
     y = layer(x)[0].reshape(-1, 8)
     tokens = x.reshape(-1, 8)
     _, r = layer.route(layer.router(tokens))
+    r = kept(r)
     ref = torch.zeros_like(tokens)
     for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate.tolist()):
         ref[t] += g * _expert_ffn(layer, e, tokens[t])
@@ -213,7 +228,8 @@ def test_index_dispatch_equals_one_hot_einsum():
     torch.manual_seed(1)
     layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0, second_expert_policy="all"), FFNSpec(8, 16))
     tokens = torch.randn(20, 8)
-    _, r = layer.route(layer.router(tokens))
+    _, plan = layer.route(layer.router(tokens))
+    r = kept(plan)
     cap = int(r.slot.max()) + 1
     combine = torch.zeros(20, 4, cap)
     combine[r.token, r.expert, r.slot] = r.gate
@@ -221,7 +237,7 @@ def test_index_dispatch_equals_one_hot_einsum():
     expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
     expert_out = layer.experts(expert_in.reshape(-1, 8), [cap] * 4).view(4, cap, 8)
     ref = torch.einsum("tec,ecd->td", combine, expert_out)
-    assert torch.allclose(layer.dispatch_combine(tokens, r), ref, atol=1e-5)
+    assert torch.allclose(layer.dispatch_combine(tokens, plan), ref, atol=1e-5)
 
 
 def test_expert_choice_refuses_incremental_decoding():

@@ -81,8 +81,14 @@ CASES = [
 
 
 CASES += [
-    Case("more experts per token than supported", "flags", "--moe-top-k 3 is not supported", "use 1 or 2",
-         lambda c: _lm(c, "--moe-expert-count", "2", "--moe-top-k", "3")),
+    Case("more experts per token than supported", "flags", "--moe-top-k 9 is not supported", "use 1 to 8",
+         lambda c: _lm(c, "--moe-expert-count", "16", "--moe-top-k", "9")),
+    Case("auxiliary-loss-free bias on expert-choice routing", "flags", "--moe-router-bias-update-rate biases",
+         "use a token-choice router",
+         lambda c: _lm(c, "--moe-expert-count", "2", "--moe-top-k", "1", "--moe-router", "expert_choice",
+                       "--moe-router-bias-update-rate", "0.001")),
+    Case("expert parallel size larger than the processes", "flags", "--moe-expert-parallel-size 2 does not divide",
+         "use a divisor", lambda c: _lm(c, "--moe-expert-count", "4", "--moe-expert-parallel-size", "2")),
     Case("MoE layer frequency 0", "flags", "--moe-freq 0 must be positive", "positive",
          lambda c: _lm(c, "--moe-expert-count", "2", "--moe-freq", "0")),
     Case("MoE model with a criterion that ignores the balance loss", "flags", "without their balance loss",

@@ -78,15 +78,20 @@ def add_moe_terms(layers: list[MoEAux], weight: float, z_weight: float, loss: to
     gate = torch.stack([m.balance_loss for m in layers]).sum()
     z = torch.stack([m.z_loss for m in layers]).sum()
     sizes = torch.stack([total, local]).to(gate.device)
-    gate_sum, z_sum = (torch.stack([gate.detach(), z.detach()]).float() * sizes).tolist()  # one host read
+    figures = torch.cat([  # the layers' statistics are device tensors: one host read for all of them
+        torch.stack([gate.detach(), z.detach()]).float() * sizes,
+        torch.stack([m.stats.load_cv for m in layers]).float().to(gate.device),
+        torch.stack([torch.stack([m.stats.dropped, m.stats.routed, m.stats.tokens]).float()
+                     for m in layers]).sum(0).to(gate.device),
+        torch.stack([m.stats.entropy_sum for m in layers]).float().sum().unsqueeze(0).to(gate.device),
+    ]).tolist()
+    gate_sum, z_sum, *cvs, dropped, routed, tokens, entropy = figures
     logging_output["moe_gate_loss"], logging_output["moe_z_loss"] = gate_sum, z_sum
     logging_output["moe_layers"] = 1
-    for m in layers:
-        logging_output[f"moe_cv_{m.tag}"] = m.stats.load_cv
-    logging_output["moe_dropped"] = sum(m.stats.dropped for m in layers)
-    logging_output["moe_routed"] = sum(m.stats.routed for m in layers)
-    logging_output["moe_entropy_sum"] = sum(m.stats.entropy_sum for m in layers)
-    logging_output["moe_tokens"] = sum(m.stats.tokens for m in layers)
+    for m, cv in zip(layers, cvs):
+        logging_output[f"moe_cv_{m.tag}"] = cv
+    logging_output["moe_dropped"], logging_output["moe_routed"] = int(dropped), int(routed)
+    logging_output["moe_entropy_sum"], logging_output["moe_tokens"] = entropy, int(tokens)
     loss = loss + weight * total.to(loss.dtype) * gate.to(loss.dtype)
     return loss + z_weight * local.to(loss.dtype) * z.to(loss.dtype) if z_weight else loss
 

@@ -55,6 +55,18 @@ class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoot
     __doc__ = label_smoothed_cross_entropy.LabelSmoothedCrossEntropyCriterion.__doc__
 
     def _parallel_losses(self, model, net_output, sample):
+        """The vocabulary-parallel losses of ``net_output``: computed by ``compute_loss`` and, with
+        ``--report-accuracy``, kept for the ``compute_accuracy`` that follows it on the same output
+        (one cross-entropy per micro-batch)."""
+        kept = self.__dict__.pop("_losses_of_output", None)
+        if kept is not None and kept[0] is net_output:
+            return kept[1]
+        result = self._compute_parallel_losses(model, net_output, sample)
+        if self.report_accuracy:
+            self._losses_of_output = (net_output, result)
+        return result
+
+    def _compute_parallel_losses(self, model, net_output, sample):
         logits, target = net_output[0], model.get_targets(sample, net_output)
         if self.ignore_prefix_size > 0:
             logits = logits[:, self.ignore_prefix_size :, :]

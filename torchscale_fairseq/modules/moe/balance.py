@@ -23,15 +23,16 @@ import torch.distributed as dist
 
 @dataclass
 class RoutingStats:
-    """Per-layer figures for the logs: ``tokens`` routed here, expert load CV
-    (std / mean of assignments per expert), ``dropped`` assignments out of ``routed``,
-    and the summed routing entropy ``sum_t H(p_t)``."""
+    """Per-layer figures for the logs, as 0-d tensors (read on the host once per step, by the
+    criterion): ``tokens`` routed here, expert load CV (std / mean of the assignments asked of
+    each expert), ``dropped`` assignments out of ``routed``, and the summed routing entropy
+    ``sum_t H(p_t)``."""
 
-    tokens: int
-    load_cv: float
-    dropped: int
-    routed: int
-    entropy_sum: float
+    tokens: torch.Tensor
+    load_cv: torch.Tensor
+    dropped: torch.Tensor
+    routed: torch.Tensor
+    entropy_sum: torch.Tensor
 
 
 @dataclass
@@ -48,40 +49,56 @@ class MoEAux:
     data_parallel_group: object | None = None
 
 
-def choice_totals(first_expert: torch.Tensor, num_experts: int, group: object | None = None) -> torch.Tensor:
-    """``[c_1, ..., c_E, N]``: first-choice counts per expert and the token count, summed
-    over ``group`` (the global scope; ``None``: this rank's micro-batch)."""
-    counts = torch.bincount(first_expert, minlength=num_experts).to(torch.float32)
-    totals = torch.cat([counts, counts.new_tensor([float(first_expert.numel())])])
+def _real_weights(rows: int, real: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """1 for a real token, 0 for padding (``real`` ``None``: every token real), as ``like``'s float type."""
+    return torch.ones(rows, dtype=torch.float32, device=like.device) if real is None else real.float()
+
+
+def choice_totals(first_expert: torch.Tensor, num_experts: int, group: object | None = None,
+                  real: torch.Tensor | None = None) -> torch.Tensor:
+    """``[c_1, ..., c_E, N]``: first-choice counts of the real tokens per expert and their count,
+    summed over ``group`` (the global scope; ``None``: this rank's micro-batch)."""
+    weights = _real_weights(first_expert.numel(), real, first_expert)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=first_expert.device).index_add_(
+        0, first_expert, weights)
+    totals = torch.cat([counts, weights.sum().unsqueeze(0)])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
     return totals
 
 
 def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object | None = None,
-                 totals: torch.Tensor | None = None) -> torch.Tensor:
-    """``E * sum_e f_e p_e`` (see the module docstring): local with ``group=None``, global
-    (this rank's share) over ``group``. ``totals``: the :func:`choice_totals` already
-    counted (an activation-checkpointing recomputation reuses its forward's)."""
+                 totals: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
+    """``E * sum_e f_e p_e`` over the real tokens (see the module docstring): local with
+    ``group=None``, global (this rank's share) over ``group``. ``totals``: the
+    :func:`choice_totals` already counted (an activation-checkpointing recomputation reuses its
+    forward's)."""
     num_experts = probs.size(1)
     if totals is None:
-        totals = choice_totals(first_expert, num_experts, group)
+        totals = choice_totals(first_expert, num_experts, group, real)
     n = totals[-1].clamp(min=1.0)
     f = totals[:num_experts] / n
-    return num_experts * (f * probs.float().sum(0)).sum() / n
+    p = probs.float() if real is None else probs.float() * real.unsqueeze(1)
+    return num_experts * (f * p.sum(0)).sum() / n
 
 
-def router_z_loss(scores: torch.Tensor) -> torch.Tensor:
-    """``mean_t (logsumexp_e s_te)^2`` of the router scores ``(T, E)`` (0 for no token), in fp32."""
-    return torch.logsumexp(scores.float(), dim=-1).square().sum() / max(scores.size(0), 1)
+def router_z_loss(scores: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean_t (logsumexp_e s_te)^2`` of the router scores ``(T, E)`` over the real tokens
+    (0 for none), in fp32."""
+    z = torch.logsumexp(scores.float(), dim=-1).square()
+    if real is None:
+        return z.sum() / max(scores.size(0), 1)
+    return (z * real).sum() / real.sum().clamp(min=1)
 
 
-def routing_stats(probs: torch.Tensor, requested: torch.Tensor, routed: int, dropped: int) -> RoutingStats:
-    """``requested``: the expert of every requested assignment (before dropping)."""
-    num_experts = probs.size(1)
+def routing_stats(probs: torch.Tensor, routing) -> RoutingStats:
+    """The statistics of one routing (a :class:`~.gating.Routing`), without host reads."""
     with torch.no_grad():
-        load = torch.bincount(requested, minlength=num_experts).float()
-        cv = float(load.std(unbiased=False) / load.mean().clamp(min=1e-9)) if load.numel() > 1 else 0.0
+        load = routing.load
+        cv = load.std(unbiased=False) / load.mean().clamp(min=1e-9) if load.numel() > 1 else load.new_zeros(())
         p = probs.detach().float()
-        entropy = float(-(p * p.clamp(min=1e-12).log()).sum())
-    return RoutingStats(int(probs.size(0)), cv, dropped, routed, entropy)
+        entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
+        real = routing.real
+        tokens = torch.as_tensor(probs.size(0), device=probs.device) if real is None else real.sum()
+        entropy_sum = entropy.sum() if real is None else (entropy * real).sum()
+    return RoutingStats(tokens, cv, routing.dropped, routing.routed, entropy_sum)

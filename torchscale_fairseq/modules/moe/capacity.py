@@ -14,18 +14,26 @@ import math
 import torch
 
 
-def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+def expert_capacity(num_tokens: int | torch.Tensor, num_experts: int, top_k: int,
+                    capacity_factor: float) -> int | torch.Tensor:
+    """``num_tokens``: an int, or a 0-d tensor (the real tokens of a padded batch, kept on the
+    device: the capacity is then a 0-d tensor, computed in float64 as the int version)."""
     if capacity_factor <= 0:
         return num_tokens
+    if isinstance(num_tokens, torch.Tensor):
+        wanted = torch.ceil(num_tokens.double() * capacity_factor * top_k / num_experts)  # the int version's order
+        return torch.minimum(num_tokens, wanted.to(num_tokens.dtype))
     return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
 def assign_slots(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rank of every assignment within its expert, in the given (priority) order."""
+    """Rank of every assignment within its expert, in the given (priority) order (counts by
+    ``index_add``, not ``bincount``, whose output size would be read on the host)."""
     if expert.numel() == 0:
         return expert.clone()
     order = torch.sort(expert, stable=True).indices
-    counts = torch.bincount(expert, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=expert.dtype, device=expert.device).index_add_(
+        0, expert, torch.ones_like(expert))
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(expert)
     slot[order] = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]

@@ -48,9 +48,9 @@ draws its full weights and keeps its shard).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -101,22 +101,45 @@ def _groups(counts: list[int]):
         start += n
 
 
+@dataclass
+class RowGroups:
+    """Rows grouped by expert as ``torch._grouped_mm`` takes them, made on the device from the
+    counts (no host read): ``offs`` (E,) int32 group ends, ``expert`` (N,) each row's expert
+    (the last one for the rows after the groups), ``valid`` (N, 1): the row is in a group."""
+
+    offs: torch.Tensor
+    expert: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, rows: int) -> "RowGroups":
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        expert = torch.searchsorted(offs, torch.arange(rows, device=counts.device, dtype=torch.int32), right=True)
+        return cls(offs, expert.clamp(max=counts.numel() - 1), (expert < counts.numel()).unsqueeze(1))
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the rows after the groups set to zero (``torch._grouped_mm`` leaves them undefined)."""
+        return torch.where(self.valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 class GroupedLinear(torch.autograd.Function):
     """``y_r = b_e + x_r W_e`` for the rows ``r`` of expert ``e``: ``x`` (N, d_in) grouped by
     ``counts``, ``W`` (E, d_in, d_out), ``b`` (E, d_out) or ``None`` (no bias). ``grouped``: the
-    GEMMs as ``torch._grouped_mm`` calls (group ends ``offs``), else one per expert."""
+    GEMMs as ``torch._grouped_mm`` calls (``counts`` a list, a tensor or :class:`RowGroups`;
+    rows after the groups give zero), else one per expert (``counts`` a list covering ``x``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
-                buffers: GradBuffers, name: str, grouped: bool = False) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                counts: list[int] | torch.Tensor | RowGroups, buffers: GradBuffers, name: str,
+                grouped: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.buffers, ctx.name, ctx.grouped = counts, buffers, name, grouped
         if grouped:
-            ctx.offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device)
-            ctx.row_expert = torch.repeat_interleave(
-                torch.arange(len(counts), device=x.device), torch.tensor(counts).to(x.device), output_size=x.size(0))
-            out = torch._grouped_mm(x, weight, offs=ctx.offs)
-            return out if bias is None else out.add_(bias[ctx.row_expert])
+            if not isinstance(counts, RowGroups):
+                counts = RowGroups.of(torch.as_tensor(counts, device=x.device), x.size(0))
+            ctx.groups = counts
+            out = torch._grouped_mm(x, weight, offs=counts.offs)
+            return counts.mask(out if bias is None else out + bias[counts.expert])
         out = x.new_empty(x.size(0), weight.size(2))
         for e, lo, hi in _groups(counts):
             if bias is None:
@@ -132,9 +155,11 @@ class GroupedLinear(torch.autograd.Function):
         grad = grad.to(x.dtype)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if ctx.grouped:
-            dx = torch._grouped_mm(grad, weight.transpose(1, 2), offs=ctx.offs) if need_dx else None
-            dw = torch._grouped_mm(x.t(), grad, offs=ctx.offs) if need_dw else None  # empty groups: zero
-            db = grad.new_zeros(weight.size(0), weight.size(2)).index_add_(0, ctx.row_expert, grad) if need_db else None
+            groups = ctx.groups
+            grad = groups.mask(grad)
+            dx = groups.mask(torch._grouped_mm(grad, weight.transpose(1, 2), offs=groups.offs)) if need_dx else None
+            dw = torch._grouped_mm(x.t(), grad, offs=groups.offs) if need_dw else None  # empty groups: zero
+            db = grad.new_zeros(weight.size(0), weight.size(2)).index_add_(0, groups.expert, grad) if need_db else None
             return dx, dw, db, None, None, None, None
         dx = x.new_empty(x.shape) if need_dx else None
         dw = ctx.buffers.empty(ctx.name, weight) if need_dw else None
@@ -285,15 +310,28 @@ class GroupedExperts(nn.Module):
         for p in self.parameters():
             mark_expert(p, expert_group, replica_group)
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` (N, d) grouped by local expert, ``counts[e]`` rows for expert ``e``."""
-        if len(counts) != self.fc1_weight.size(0) or sum(counts) != rows.size(0):
-            raise ValueError(f"counts {len(counts)} experts / {sum(counts)} rows do not match "
-                             f"{self.fc1_weight.size(0)} experts / {rows.size(0)} rows")
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """``rows`` (N, d) grouped by local expert, ``counts[e]`` rows for expert ``e``, then
+        rows for no expert, which come back zero. Grouped GEMMs take the counts on the device;
+        the loop reads them on the host (given as a list: already read)."""
+        if len(counts) != self.fc1_weight.size(0):
+            raise ValueError(f"counts for {len(counts)} experts, but {self.fc1_weight.size(0)} local experts")
         fc1, fc2 = self.fc1_weight.to(rows.dtype), self.fc2_weight.to(rows.dtype)
         grouped = self.grouped_mm if self.grouped_mm is not None else (
             grouped_mm_fits(rows, fc1) and grouped_mm_fits(rows, fc2))
-        h = GroupedLinear.apply(rows, fc1, self.fc1_bias.to(rows.dtype), counts, self.grad_buffers, "fc1", grouped)
+        if grouped:
+            return self._forward(rows, RowGroups.of(torch.as_tensor(counts, device=rows.device), rows.size(0)),
+                                 fc1, fc2, True)
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        total = sum(sizes)
+        if total > rows.size(0):
+            raise ValueError(f"counts {sizes} ask for {total} rows, but {rows.size(0)} were given")
+        out = self._forward(rows[:total], sizes, fc1, fc2, False)
+        return out if total == rows.size(0) else torch.cat([out, out.new_zeros(rows.size(0) - total, out.size(1))])
+
+    def _forward(self, rows: torch.Tensor, groups: RowGroups | list[int], fc1: torch.Tensor, fc2: torch.Tensor,
+                 grouped: bool) -> torch.Tensor:
+        h = GroupedLinear.apply(rows, fc1, self.fc1_bias.to(rows.dtype), groups, self.grad_buffers, "fc1", grouped)
         h = activate(h, self.activation)
         split = group_size(self.tp_group) > 1
         if self.activation_dropout > 0 and self.training:
@@ -301,9 +339,12 @@ class GroupedExperts(nn.Module):
                 h = F.dropout(h, self.activation_dropout, training=True)
         if self.ln_weight is not None:
             h = sharded_normalize(h, self.ffn_dim, self.layernorm_eps, self.tp_group)
-            h = GroupedAffine.apply(h, self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype), counts)
+            w, b = self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype)
+            h = (groups.mask(h * w[groups.expert] + b[groups.expert]) if grouped
+                 else GroupedAffine.apply(h, w, b, groups))
         if not split:
-            return GroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), counts, self.grad_buffers, "fc2", grouped)
-        partial = GroupedLinear.apply(h, fc2, None, counts, self.grad_buffers, "fc2", grouped)
+            return GroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), groups, self.grad_buffers, "fc2", grouped)
+        partial = GroupedLinear.apply(h, fc2, None, groups, self.grad_buffers, "fc2", grouped)
         whole = reduce_from_tensor_parallel_region(partial, self.tp_group)
-        return GroupedBias.apply(whole, self.fc2_bias.to(h.dtype), counts)
+        bias = self.fc2_bias.to(h.dtype)
+        return groups.mask(whole + bias[groups.expert]) if grouped else GroupedBias.apply(whole, bias, groups)

@@ -19,6 +19,12 @@ experts are chosen by ``p + bias`` (the top-k, and the top-2 ``random`` policy's
 expert), while the gates stay ``p`` of the chosen experts.
 Expert choice (Zhou et al. 2022): each expert takes its top-``C`` tokens by ``p``,
 gate ``p_{t,e}``; a token may get any number of experts, including none.
+
+The plan has a fixed shape, so that routing makes the host wait for nothing (a GPU keeps its
+stream; ``torch.compile`` sees static shapes): every token's ``k`` candidate assignments are
+listed, choice rank by choice rank, padding tokens and dropped assignments included, with a
+``kept`` mask and a zero gate where not kept. The capacity ``ceil(f T k / E)`` (at most ``T``)
+counts the real tokens ``T`` as a device tensor when a padding mask is given.
 """
 
 from __future__ import annotations
@@ -32,18 +38,33 @@ from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacit
 
 @dataclass
 class Routing:
-    """Assignments ``a``: token ``token[a]`` to slot ``slot[a]`` of expert ``expert[a]``
-    with weight ``gate[a]``; only assignments with ``slot < capacity`` are listed."""
+    """Candidate assignments ``a`` (fixed count): token ``token[a]`` to slot ``slot[a]`` of expert
+    ``expert[a]`` with weight ``gate[a]`` when ``kept[a]`` (else gate 0); ``first_expert`` (T,)
+    each token's first choice, ``real`` (T,) its padding mask inverted (``None``: every token
+    real); ``load`` (E,) the assignments asked of each expert before dropping; ``routed`` and
+    ``dropped`` the assignments asked for and dropped (0-d tensors)."""
 
     token: torch.Tensor
     expert: torch.Tensor
     slot: torch.Tensor
     gate: torch.Tensor
-    capacity: int
+    kept: torch.Tensor
+    capacity: int | torch.Tensor
     first_expert: torch.Tensor
-    requested: torch.Tensor
-    routed: int
-    dropped: int
+    real: torch.Tensor | None
+    load: torch.Tensor
+    routed: torch.Tensor
+    dropped: torch.Tensor
+
+    def kept_assignments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(token, expert, slot, gate)`` of the kept assignments only (reads the mask on the host)."""
+        keep = self.kept
+        return self.token[keep], self.expert[keep], self.slot[keep], self.gate[keep]
+
+
+def real_token_count(num_tokens: int, real: torch.Tensor | None) -> int | torch.Tensor:
+    """``num_tokens`` without a padding mask, else the real tokens as a 0-d tensor (no host read)."""
+    return num_tokens if real is None else real.sum()
 
 
 def top_k_routing(
@@ -54,47 +75,47 @@ def top_k_routing(
     normalize_before_dropping: bool = False,
     training: bool = True,
     bias: torch.Tensor | None = None,
+    real: torch.Tensor | None = None,
 ) -> Routing:
-    """Token-choice routing of ``probs`` (T, E); ``bias`` (E,): added for the choice only."""
+    """Token-choice routing of ``probs`` (T, E); ``bias`` (E,): added for the choice only;
+    ``real`` (T,): the tokens to route (padding: none of its assignments is kept)."""
     num_tokens, num_experts = probs.shape
-    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
+    capacity = expert_capacity(real_token_count(num_tokens, real), num_experts, top_k, capacity_factor)
     if bias is None:
         gates, experts = probs.topk(top_k, dim=-1)
     else:
         experts = (probs.detach() + bias.to(probs.dtype)).topk(top_k, dim=-1).indices
         gates = probs.gather(1, experts)
-    tokens = torch.arange(num_tokens, device=probs.device)
     first = experts[:, 0]
+    active = torch.ones_like(experts, dtype=torch.bool) if real is None else real.unsqueeze(1).expand_as(experts)
     if top_k == 1:
-        slot = assign_slots(first, num_experts)
-        keep = slot < capacity
-        return Routing(tokens[keep], first[keep], slot[keep], gates[keep, 0], capacity, first, first,
-                       num_tokens, int((~keep).sum()))
-    policy = second_expert_policy if training and top_k == 2 else "all"
-    second = experts[:, 1] if policy != "sampling" else gumbel_second_expert(probs, first)
-    others = [second, *experts[:, 2:].unbind(1)]
-    g = [gates[:, 0], probs.gather(1, second.unsqueeze(1)).squeeze(1), *gates[:, 2:].unbind(1)]
-    if normalize_before_dropping:
-        denom = sum(g[1:], g[0]).clamp(min=torch.finfo(g[0].dtype).eps)
-        g = [gi / denom for gi in g]
-    if policy == "random":
-        second_on = 2 * g[1].detach() > torch.rand_like(g[1])
-    elif policy == "coin":
-        second_on = torch.rand_like(g[1]) < 0.5
+        g = [gates[:, 0]]
     else:
-        second_on = torch.ones_like(g[1], dtype=torch.bool)
-    expert = torch.cat([first, others[0][second_on], *others[1:]])
-    token = torch.cat([tokens, tokens[second_on], *[tokens] * (top_k - 2)])
-    gate = torch.cat([g[0], g[1][second_on], *g[2:]])
-    slot = assign_slots(expert, num_experts)
-    keep = slot < capacity
-    if not normalize_before_dropping:
-        kept_sum = torch.zeros(num_tokens, dtype=gate.dtype, device=gate.device).index_add(
-            0, token[keep], gate[keep]
-        )
+        policy = second_expert_policy if training and top_k == 2 else "all"
+        if policy == "sampling":
+            experts = torch.stack([first, gumbel_second_expert(probs, first)], dim=1)
+        g = [gates[:, 0], probs.gather(1, experts[:, 1:2]).squeeze(1), *gates[:, 2:].unbind(1)]
+        if normalize_before_dropping:
+            denom = sum(g[1:], g[0]).clamp(min=torch.finfo(g[0].dtype).eps)
+            g = [gi / denom for gi in g]
+        if policy in ("random", "coin"):
+            draw = torch.rand_like(g[1])
+            second_on = 2 * g[1].detach() > draw if policy == "random" else draw < 0.5
+            active = torch.cat([active[:, :1], active[:, 1:2] & second_on.unsqueeze(1), active[:, 2:]], dim=1)
+    expert = experts.t().reshape(-1)
+    token = torch.arange(num_tokens, device=probs.device).repeat(top_k)
+    gate = torch.stack(g).reshape(-1)
+    active = active.t().reshape(-1)
+    slot = assign_slots(torch.where(active, expert, num_experts), num_experts + 1)
+    keep = active & (slot < capacity)
+    if top_k > 1 and not normalize_before_dropping:
+        kept_gate = torch.where(keep, gate, torch.zeros_like(gate))
+        kept_sum = torch.zeros(num_tokens, dtype=gate.dtype, device=gate.device).index_add(0, token, kept_gate)
         gate = gate / kept_sum.clamp(min=torch.finfo(gate.dtype).eps)[token]
-    return Routing(token[keep], expert[keep], slot[keep], gate[keep], capacity, first, expert,
-                   int(expert.numel()), int((~keep).sum()))
+    load = torch.zeros(num_experts, dtype=torch.float32, device=probs.device).index_add(0, expert, active.float())
+    routed = active.sum()
+    return Routing(token, expert, slot, torch.where(keep, gate, torch.zeros_like(gate)), keep, capacity, first, real,
+                   load, routed, routed - keep.sum())
 
 
 def gumbel_second_expert(probs: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -106,14 +127,22 @@ def gumbel_second_expert(probs: torch.Tensor, first: torch.Tensor) -> torch.Tens
     return noisy.scatter(1, first.unsqueeze(1), float("-inf")).argmax(dim=1)
 
 
-def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
-    """Each expert takes its ``C = ceil(f T k / E)`` highest-scoring tokens."""
+def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: float,
+                          real: torch.Tensor | None = None) -> Routing:
+    """Each expert takes its ``C = ceil(f T k / E)`` highest-scoring real tokens (``C`` is read on
+    the host: ``topk`` needs it)."""
     num_tokens, num_experts = probs.shape
-    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
-    gate, token = probs.t().topk(capacity, dim=-1)
-    expert = torch.arange(num_experts, device=probs.device).unsqueeze(1).expand_as(token)
-    slot = torch.arange(capacity, device=probs.device).unsqueeze(0).expand_as(token)
+    count = real_token_count(num_tokens, real)
+    capacity = expert_capacity(int(count), num_experts, top_k, capacity_factor)
+    scores = probs if real is None else probs.masked_fill(~real.unsqueeze(1), -1.0)
+    gate, token = scores.t().topk(capacity, dim=-1)
+    expert = torch.arange(num_experts, device=probs.device).unsqueeze(1).expand_as(token).reshape(-1)
+    slot = torch.arange(capacity, device=probs.device).unsqueeze(0).expand_as(token).reshape(-1)
+    token, gate = token.reshape(-1), probs.t().gather(1, token.view(num_experts, -1)).reshape(-1)
+    kept = torch.ones_like(token, dtype=torch.bool)
     served = torch.zeros(num_tokens, dtype=torch.bool, device=probs.device)
-    served[token.reshape(-1)] = True
-    return Routing(token.reshape(-1), expert.reshape(-1), slot.reshape(-1), gate.reshape(-1), capacity,
-                   probs.argmax(dim=-1), expert.reshape(-1), num_tokens, int((~served).sum()))
+    served[token] = True
+    unserved = (~served).sum() if real is None else (real & ~served).sum()
+    load = torch.full((num_experts,), float(capacity), device=probs.device)
+    return Routing(token, expert, slot, gate, kept, capacity, probs.argmax(dim=-1), real, load,
+                   torch.as_tensor(count, device=probs.device), unserved)

@@ -3,11 +3,18 @@
 Non-padding tokens are routed (:mod:`.routers`, :mod:`.gating`), gathered by index into
 rows grouped by expert (no ``(E, C, d)`` capacity padding), sent to the ranks holding
 their experts (:mod:`.all_to_all`), processed by the grouped experts, sent back and combined:
-``y_t = sum_a gate_a * expert_{e_a}(x_t)``. Dropped (overflowed) and padding tokens
-get a zero output, so the residual carries them. The forward returns the output and
-an :class:`~.balance.MoEAux` (balance loss, router z-loss and routing statistics, see
-:mod:`.balance`),
-which the model passes up to the criterion.
+``y_t = sum_a gate_a * expert_{e_a}(x_t)`` (plus the shared experts' FFN of ``x_t``). Dropped
+(overflowed) and padding tokens get a zero routed output, so the residual carries them.
+
+At expert-parallel size 1 the forward reads nothing on the host (a GPU stream never waits,
+``torch.compile`` sees no data-dependent shape): the routing plan has a fixed shape (every
+candidate assignment, with a kept mask), counts are ``index_add`` sums, the statistics stay
+tensors until the criterion reads them once per step, and the rows after the kept ones reach
+no expert; only experts that run one GEMM per expert read their row counts (one read per layer,
+none with grouped GEMMs). With expert parallelism the all-to-all's split sizes are the one read.
+
+The forward returns the output and an :class:`~.balance.MoEAux` (balance loss, router z-loss
+and routing statistics, see :mod:`.balance`), which the model passes up to the criterion.
 
 Under activation checkpointing the layer's forward runs twice, the second time in backward
 with the random generators replayed (so the router draws the same noise and second
@@ -118,7 +125,7 @@ class RecomputeMemo:
     :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``exchanged``: the
     outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
 
-    counts: list[int] | None = None
+    counts: torch.Tensor | None = None
     table: torch.Tensor | None = None
     totals: torch.Tensor | None = None
     stats: RoutingStats | None = None
@@ -173,17 +180,19 @@ class MoELayer(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def route(self, scores: torch.Tensor, incremental: bool = False) -> tuple[torch.Tensor, Routing]:
-        """Router probabilities (fp32) and the routing plan from the router's ``scores`` (N, E)."""
+    def route(self, scores: torch.Tensor, incremental: bool = False,
+              real: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
+        """Router probabilities (fp32) and the routing plan from the router's ``scores`` (N, E)
+        of the tokens ``real`` marks (``None``: all)."""
         probs = torch.softmax(scores, dim=-1)
         cfg = self.cfg
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.router == "expert_choice":
             if incremental:
                 raise TsConfigError(EXPERT_CHOICE_DECODING)
-            return probs, expert_choice_routing(probs, cfg.top_k, factor if factor > 0 else cfg.capacity_factor)
+            return probs, expert_choice_routing(probs, cfg.top_k, factor if factor > 0 else cfg.capacity_factor, real)
         return probs, top_k_routing(probs, cfg.top_k, factor, cfg.second_expert_policy,
-                                    cfg.normalize_gate_prob_before_dropping, self.training, self.expert_bias)
+                                    cfg.normalize_gate_prob_before_dropping, self.training, self.expert_bias, real)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 incremental: bool = False, memo: RecomputeMemo | None = None) -> tuple[torch.Tensor, MoEAux]:
@@ -202,41 +211,39 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoE layer {self.tag!r}: padding mask {tuple(padding_mask.shape)} does not cover "
                              f"the tokens {tuple(x.shape[:-1])}")
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        keep = None
-        if padding_mask is not None and bool(padding_mask.any()):
-            keep = (~padding_mask.reshape(-1)).nonzero().squeeze(1)
-            tokens = flat.index_select(0, keep)
-        else:
-            tokens = flat
+        tokens = x.reshape(-1, shape[-1])
+        real = None if padding_mask is None else ~padding_mask.reshape(-1)
         scores = self.router(tokens)
-        probs, routing = self.route(scores, incremental)
+        probs, routing = self.route(scores, incremental, real)
         group = self.parallel.data_parallel_group if self.cfg.balance_scope == "global" else None
         if self.cfg.router == "expert_choice":
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
-            totals = memo.totals if replay else choice_totals(routing.first_expert, probs.size(1), group)
-            loss = balance_loss(probs, routing.first_expert, totals=totals)
+            totals = memo.totals if replay else choice_totals(routing.first_expert, probs.size(1), group, real)
+            loss = balance_loss(probs, routing.first_expert, totals=totals, real=real)
             if memo is not None:
                 memo.totals = totals
-        stats = memo.stats if replay else routing_stats(probs, routing.requested, routing.routed, routing.dropped)
+        stats = memo.stats if replay else routing_stats(probs, routing)
         if self.expert_load is not None and self.training and not replay:
-            self.expert_load += torch.bincount(routing.requested, minlength=self.cfg.expert_count)
-        aux = MoEAux(self.tag, loss, router_z_loss(scores), stats, group)
+            self.expert_load += routing.load.long()
+        aux = MoEAux(self.tag, loss, router_z_loss(scores, real), stats, group)
         out = self.dispatch_combine(tokens, routing, memo)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
         if memo is not None:
             memo.stats, memo.filled = stats, True
-        if keep is not None:
-            out = flat.new_zeros(flat.shape).index_copy(0, keep, out)
         return out.view(shape), aux
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
-        """Gather the routed tokens grouped by expert, run the experts, weight and add back."""
-        expert, order = torch.sort(routing.expert, stable=True)
+        """Gather the routed tokens grouped by expert (the kept assignments first, in expert
+        order; then the rest, which no expert computes), run the experts, weight and add back."""
+        num_experts = self.cfg.expert_count
+        expert = torch.where(routing.kept, routing.expert, num_experts)
+        order = torch.sort(expert, stable=True).indices
         token = routing.token[order]
-        counts = torch.bincount(expert, minlength=self.cfg.expert_count)
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=tokens.device).index_add_(
+            0, expert, torch.ones_like(expert))[:num_experts]
         # split experts: f of the column-parallel fc1 on the (fewer) tokens rather than the rows
         source = copy_to_tensor_parallel_region(tokens, self.experts.tp_group)
         out = self.run_experts(source.index_select(0, token), counts, memo)
@@ -244,48 +251,54 @@ class MoELayer(nn.Module):
         return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, memo: RecomputeMemo | None = None) -> torch.Tensor:
-        """``rows`` grouped by expert (``counts[e]`` for expert ``e``) through the experts,
-        wherever they live. Across ranks only real rows travel: rank ``r`` sends rank ``q``
-        the rows of ``q``'s experts, receives them grouped by (sender, expert) and regroups
-        them by (expert, sender) for the experts. With a filled ``memo`` (recomputation) the
-        count table is the first run's (and the all-to-all outputs, if kept), and the
-        routing must have given the same counts."""
+        """``rows`` grouped by expert (``counts[e]`` for expert ``e``, then rows for no expert)
+        through the experts, wherever they live; the rows for no expert come back zero. Across
+        ranks only the experts' rows travel: rank ``r`` sends rank ``q`` the rows of ``q``'s
+        experts, receives them grouped by (sender, expert) and regroups them by (expert, sender)
+        for the experts; the all-to-all's split sizes are the one host read. With a filled
+        ``memo`` (recomputation) the count table is the first run's (and the all-to-all outputs,
+        if kept), and the routing must have given the same counts (checked on the device)."""
         par = self.parallel
         if memo is not None and memo.filled:
-            if counts.tolist() != memo.counts:
-                raise RuntimeError(
-                    f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it "
-                    f"(rows per expert {counts.tolist()} instead of {memo.counts}): its routing must be a function "
-                    "of its input and the replayed random generators"
-                )
+            torch._assert_async(
+                (counts == memo.counts).all(),
+                f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it: its routing "
+                "must be a function of its input and the replayed random generators")
             table = memo.table
         else:
             table = None if par.group is None else all_gather_counts(counts, par.group)
             if memo is not None:
-                memo.counts, memo.table = counts.tolist(), table
+                memo.counts, memo.table = counts, table
         if par.group is None:
-            return self.experts(rows, counts.tolist())
+            return self.experts(rows, counts)
         dim = rows.size(1)
         table = table.view(par.world, par.world, par.local_experts)
-        send = (table[par.rank].sum(1) * dim).tolist()
-        mine = table[:, par.rank]
-        recv = (mine.sum(1) * dim).tolist()
+        splits = table.tolist()  # the split sizes: the one host read
+        send_rows = [sum(splits[par.rank][q]) for q in range(par.world)]
+        mine = [[splits[s][par.rank][e] for e in range(par.local_experts)] for s in range(par.world)]
+        recv_rows = [sum(row) for row in mine]
+        sent = sum(send_rows)
         kept = memo.exchanged if memo is not None and memo.filled else None
         if kept is not None:  # the forward's values, a leaf as the exchange's output would require grad
             arrived = kept[0].detach().requires_grad_(rows.requires_grad)
         else:
-            arrived = exchange(rows, send, recv, par.group).view(-1, dim)
-        order = sender_to_expert_order(mine)
-        out = self.experts(arrived.index_select(0, order), mine.sum(0).tolist())
+            arrived = exchange(rows[:sent], [n * dim for n in send_rows], [n * dim for n in recv_rows],
+                               par.group).view(-1, dim)
+        mine_counts = table[:, par.rank]
+        order = sender_to_expert_order(mine_counts)
+        per_expert = [sum(mine[s][e] for s in range(par.world)) for e in range(par.local_experts)]
+        out = self.experts(arrived.index_select(0, order), per_expert)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         outgoing = out.index_select(0, inverse)  # also recomputed: the same tensors are saved as in forward
         if kept is not None:
-            return kept[1].detach().requires_grad_(outgoing.requires_grad)
-        back = exchange(outgoing, recv, send, par.group).view(-1, dim)
-        if memo is not None and self.cfg.checkpoint_exchange == "keep":
-            memo.exchanged = (arrived.detach(), back.detach())
-        return back
+            back = kept[1].detach().requires_grad_(outgoing.requires_grad)
+        else:
+            back = exchange(outgoing, [n * dim for n in recv_rows], [n * dim for n in send_rows],
+                            par.group).view(-1, dim)
+            if memo is not None and self.cfg.checkpoint_exchange == "keep":
+                memo.exchanged = (arrived.detach(), back.detach())
+        return torch.cat([back, back.new_zeros(rows.size(0) - sent, dim)])
 
 
 def sender_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
