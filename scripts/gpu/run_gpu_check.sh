@@ -39,7 +39,7 @@ plan() {
 1|install|420|60|-|bash scripts/gpu/node_install.sh
 1|cpu-smoke|150|40|-|$VPY -m pytest tests/foundation/test_default_device.py tests/optim/test_mixed_precision.py $PYTEST_FLAGS
 1|pytest-gpu|300|170|pytest|$VPY -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_cuda_training.py $PYTEST_FLAGS $XDIST
-1|bench-moe|90|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12
+1|bench-moe|150|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm both|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm both
 2|install|420|60|-|bash scripts/gpu/node_install.sh
 2|pytest-gpu-training|360|200|pytest|$VPY -m pytest -m gpu tests/gpu/test_cuda_training.py $PYTEST_FLAGS
 2|bench-generation|150|75|$VPY benchmarks/gpu_generation.py --toy|$VPY benchmarks/gpu_generation.py --rounds 1
