@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.moe.test_routing import expert_ffn
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig, check_moe_config
@@ -40,14 +41,6 @@ def naive_routing(probs: torch.Tensor, k: int, capacity: int, bias: torch.Tensor
         total = sum(gates) if k > 1 else 1.0
         out[i] = [(j, g / total) for j, g in zip(experts, gates)]
     return out
-
-
-def expert_ffn(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
-    ex = layer.experts
-    h = F.gelu(x @ ex.fc1_weight[e] + ex.fc1_bias[e])
-    if ex.ln_weight is not None:
-        h = F.layer_norm(h, h.shape[-1:], ex.ln_weight[e], ex.ln_bias[e], eps=ex.layernorm_eps)
-    return h @ ex.fc2_weight[e] + ex.fc2_bias[e]
 
 
 def dense_ffn(ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ def kept(r: Routing) -> SimpleNamespace:
                            routed=int(r.routed))
 
 
-def _expert_ffn(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
+def expert_ffn(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of ``layer`` on ``x`` from its stacked weights (gelu, optional Sub-LN)."""
     ex = layer.experts
     h = F.gelu(x @ ex.fc1_weight[e] + ex.fc1_bias[e])
     if ex.ln_weight is not None:
@@ -216,7 +217,7 @@ def test_layer_equals_per_token_loop_and_dropped_tokens_are_zero(router, k):
     r = kept(r)
     ref = torch.zeros_like(tokens)
     for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate.tolist()):
-        ref[t] += g * _expert_ffn(layer, e, tokens[t])
+        ref[t] += g * expert_ffn(layer, e, tokens[t])
     assert torch.allclose(y, ref, atol=1e-5)
     served = torch.zeros(tokens.size(0), dtype=torch.bool)
     served[r.token] = True

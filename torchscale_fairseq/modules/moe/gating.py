@@ -49,7 +49,6 @@ class Routing:
     slot: torch.Tensor
     gate: torch.Tensor
     kept: torch.Tensor
-    capacity: int | torch.Tensor
     first_expert: torch.Tensor
     real: torch.Tensor | None
     load: torch.Tensor
@@ -114,7 +113,7 @@ def top_k_routing(
         gate = gate / kept_sum.clamp(min=torch.finfo(gate.dtype).eps)[token]
     load = torch.zeros(num_experts, dtype=torch.float32, device=probs.device).index_add(0, expert, active.float())
     routed = active.sum()
-    return Routing(token, expert, slot, torch.where(keep, gate, torch.zeros_like(gate)), keep, capacity, first, real,
+    return Routing(token, expert, slot, torch.where(keep, gate, torch.zeros_like(gate)), keep, first, real,
                    load, routed, routed - keep.sum())
 
 
@@ -144,5 +143,5 @@ def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: floa
     served[token] = True
     unserved = (~served).sum() if real is None else (real & ~served).sum()
     load = torch.full((num_experts,), float(capacity), device=probs.device)
-    return Routing(token, expert, slot, gate, kept, capacity, probs.argmax(dim=-1), real, load,
+    return Routing(token, expert, slot, gate, kept, probs.argmax(dim=-1), real, load,
                    torch.as_tensor(count, device=probs.device), unserved)
