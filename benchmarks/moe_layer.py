@@ -147,7 +147,7 @@ def main() -> None:
     samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
     best = dict(zip(["dense", *layers], (min(t) for t in samples)))
     median = dict(zip(["dense", *layers], (statistics.median(t) for t in samples)))
-    print(f"dense FFN: best {best['dense'] * 1e3:.0f} ms, median {median['dense'] * 1e3:.0f} ms")
+    print(f"dense FFN: best {best['dense'] * 1e3:.3g} ms, median {median['dense'] * 1e3:.3g} ms")
     scale = dense_equivalents
     print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
           "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio |")
@@ -155,11 +155,11 @@ def main() -> None:
     for (e, mode), layer in layers.items():
         if e <= args.skip_one_hot_above and mode == modes[0]:
             t_ref = best_times([one_hot_step(layer, x)], max(1, min(3, args.repeats - 1)))[0]
-            ref = f"{t_ref * 1e3:.0f} | {t_ref / (scale * best['dense']):.2f}"
+            ref = f"{t_ref * 1e3:.3g} | {t_ref / (scale * best['dense']):.2f}"
         else:
             ref = "skipped | -"
         versus = f"{median[(e, 'grouped')] / median[(e, 'loop')]:.2f}" if len(modes) == 2 else "-"
-        print(f"| {e} | {mode} | {best[(e, mode)] * 1e3:.0f} | {median[(e, mode)] * 1e3:.0f} | "
+        print(f"| {e} | {mode} | {best[(e, mode)] * 1e3:.3g} | {median[(e, mode)] * 1e3:.3g} | "
               f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
               f"{versus} | {ref} |", flush=True)
     ratios = {e: median[(e, modes[0])] / (scale * median["dense"]) for e in args.experts}

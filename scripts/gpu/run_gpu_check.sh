@@ -14,7 +14,8 @@
 #   bash scripts/gpu/run_gpu_check.sh --plan        # the stages, their limits and expected times, checked
 #   bash scripts/gpu/run_gpu_check.sh --dry-run     # the wheelhouse checked, the next stage's commands printed
 #   GPU_CHECK_ONLY="pytest-gpu bench-moe" bash scripts/gpu/run_gpu_check.sh --stage all
-#                                                   # only the steps named (and the install): a shorter lease
+#                                                   # only the steps named (and the install), run again
+#                                                   # whatever was recorded: a shorter lease
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WH="${WHEELHOUSE:-$ROOT/scripts/gpu/wheelhouse}"
@@ -310,7 +311,8 @@ FAILED=0
 if [ "$MODE" = stage ] && [ "$STAGE_ARG" != all ]; then
   run_stage "$STAGE_ARG" 1 || FAILED=1
 elif [ "$MODE" = stage ]; then
-  for stage in "${STAGES[@]}"; do run_stage "$stage" 0 || FAILED=1; done
+  # with GPU_CHECK_ONLY the steps named run again wherever they are, as with --stage N
+  for stage in "${STAGES[@]}"; do run_stage "$stage" "$([ -n "$ONLY" ] && echo 1 || echo 0)" || FAILED=1; done
 else
   stage="$(next_stage)"
   if [ "$stage" = none ]; then echo "[gpu-check] every stage is done (results in $RESULTS; --stage N runs one again)"

@@ -20,7 +20,9 @@ MODELS = {"ts_lm_tiny": ("lm_data", LM_TRAIN), "ts_transformer_tiny": ("mt_data"
 BACKBONES = ("magneto", "deepnorm", "preln", "postln")
 PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "memory-efficient-fp16": ["--memory-efficient-fp16"],
               "bf16": ["--bf16"], "amp": ["--amp"]}
-# relative difference allowed from fp32 in the mean loss of updates 1-5 (the first logged record)
+# relative difference allowed from fp32 in the loss of update 1 (the first logged record). Every update
+# is logged: fairseq rounds losses to 3 decimals, under which a tiny model's fp16 run can match fp32
+# for the 6 records of --log-interval 5 (seen for ts_mlm_tiny on an H100); over 30 updates it cannot.
 FIRST_LOSS_TOLERANCE = {"fp16": 2e-2, "memory-efficient-fp16": 2e-2, "bf16": 5e-2, "amp": 2e-2}
 RUNS = [(arch, backbone, precision) for arch in MODELS for backbone in BACKBONES for precision in PRECISIONS]
 
@@ -32,7 +34,7 @@ def on_cuda(flags: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def losses(request, tmp_path_factory) -> dict:
-    """``train_inner`` records of every run (30 updates each, as on CPU; as many at once as there are
+    """``train_inner`` records of every run (30 updates each, as on CPU, each logged; as many at once as there are
     cores: one GPU holds them all, and most of each run is fairseq's start-up)."""
     root = tmp_path_factory.mktemp("cuda_train")
     cmds = []
@@ -41,7 +43,7 @@ def losses(request, tmp_path_factory) -> dict:
         cmds.append([tool("fairseq-train"), request.getfixturevalue(data), "--user-dir", USER_DIR, "--arch", arch,
                      "--backbone", backbone, "--max-update", "30", "--no-save", "--dropout", "0.0",
                      "--save-dir", root / f"{arch}-{backbone}-{precision}", "--disable-validation",
-                     *on_cuda(flags), *PRECISIONS[precision]])
+                     *on_cuda(flags), "--log-interval", "1", *PRECISIONS[precision]])
     procs = run_many(cmds)
     out = {}
     for run, proc in zip(RUNS, procs):
