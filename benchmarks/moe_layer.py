@@ -22,6 +22,8 @@ Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12]
 on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``). The
 last line, ``RESULT``, gives the median ratio at every E and the verdict against ``--target``
 (1.25) at the worst E.
+``--compile inductor`` times the dense FFN and the layers compiled (on a GPU the eager layer is
+bound by its few hundred small launches; the grouped path has no host sync, so it compiles whole).
 ``--expert-gemm``: ``auto`` (the layer's default: ``torch._grouped_mm`` on a Hopper GPU in bf16
 once its probe passed, one ``addmm`` per expert elsewhere), ``grouped`` or ``loop`` (forced; the CPU
 runs ``torch._grouped_mm`` too, as a loop of GEMMs inside PyTorch), or ``both``: a grouped and a loop
@@ -76,11 +78,14 @@ def best_times(fns: list, repeats: int) -> list[float]:
     return [min(t) for t in interleaved_times(fns, repeats)]
 
 
-def fwd_bwd(module, x: torch.Tensor):
-    """One forward and backward of a dense FFN or an MoE layer (whose output comes with its aux)."""
+def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
+    """One forward and backward of a dense FFN or an MoE layer (whose output comes with its aux);
+    ``compile_backend``: the module's forward through ``torch.compile`` with that backend."""
+    call = module if compile_backend == "none" else torch.compile(module, backend=compile_backend)
+
     def step():
         module.zero_grad(set_to_none=True)
-        out = module(x)
+        out = call(x)
         (out[0] if isinstance(out, tuple) else out).sum().backward()
     return step
 
@@ -121,6 +126,9 @@ def main() -> None:
                         help="largest ratio (median) to the dense FFNs of the same FLOPs that passes")
     parser.add_argument("--expert-gemm", default="auto", choices=["auto", "grouped", "loop", "both"],
                         help="the experts' GEMMs: the layer's choice, torch._grouped_mm, one per expert, or both")
+    parser.add_argument("--compile", default="none", metavar="BACKEND",
+                        help="the dense FFN and every MoE layer through torch.compile with this backend (inductor on "
+                             "a GPU: fewer launches; aot_eager checks the path on a CPU); none: eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -133,7 +141,7 @@ def main() -> None:
     print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
           f"T={args.tokens} d={args.dim} ffn={args.ffn} | top-{args.top_k} of experts {width} wide "
           f"(= {dense_equivalents:g} dense FFNs) cf=1.0 | expert GEMMs {args.expert_gemm} | "
-          f"zero_grad(set_to_none=True) for all | {args.repeats} interleaved runs")
+          f"zero_grad(set_to_none=True) for all | compile {args.compile} | {args.repeats} interleaved runs")
     modes = ["grouped", "loop"] if args.expert_gemm == "both" else [args.expert_gemm]
     layers: dict[tuple[int, str], MoELayer] = {}
     for e in args.experts:
@@ -144,7 +152,7 @@ def main() -> None:
             layer = first if mode == modes[0] else copy.deepcopy(first)
             layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[mode]
             layers[(e, mode)] = layer
-    samples = interleaved_times([fwd_bwd(dense, x)] + [fwd_bwd(layer, x) for layer in layers.values()], args.repeats)
+    samples = interleaved_times([fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())], args.repeats)
     best = dict(zip(["dense", *layers], (min(t) for t in samples)))
     median = dict(zip(["dense", *layers], (statistics.median(t) for t in samples)))
     print(f"dense FFN: best {best['dense'] * 1e3:.3g} ms, median {median['dense'] * 1e3:.3g} ms")

@@ -22,7 +22,7 @@ STAGE_1 = ("cpu-smoke", "pytest-gpu", "bench-moe")
 def check(*args: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_") and k != "OUT"}
     base.update({"PYTHON": sys.executable, **env})
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=base, timeout=120)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=base, timeout=600)
 
 
 def test_plan_fits_the_device_calls():
@@ -38,7 +38,7 @@ def test_plan_fits_the_device_calls():
 def test_plan_refuses_a_stage_over_its_limit():
     proc = check("--plan", GPU_CHECK_EXPECTED="bench-mfu=400")
     assert proc.returncode == 1
-    assert re.search(r"^plan error: stage 3 expects 6\d\ds, over its 480s limit", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^plan error: stage 3 expects \d+s, over its 480s limit", proc.stdout, re.M), proc.stdout
 
 
 def write_stage(results: Path, stage: int, statuses: dict[str, str]) -> None:
@@ -65,7 +65,7 @@ def test_next_resumes_where_the_results_stop(tmp_path):
     write_stage(results, 2, {"pytest-gpu-training": "TIMEOUT after 360s", "bench-generation": "ok"})
     write_stage(results, 3, {"bench-mfu": "ok", "bench-throughput": "not run (install failed)"})
     assert next_stage() == "3"
-    write_stage(results, 3, {"bench-mfu": "ok", "bench-throughput": "ok"})
+    write_stage(results, 3, {"bench-mfu": "ok", "bench-throughput": "ok", "bench-moe-compile": "ok"})
     assert next_stage() == "none"
     if not torch.cuda.is_available():  # what ran without CUDA is to do again where there is CUDA
         write_stage(results, 1, dict.fromkeys(STAGE_1, "no CUDA"))

@@ -47,6 +47,7 @@ plan() {
 3|install|420|60|-|bash scripts/gpu/node_install.sh
 3|bench-mfu|200|110|$VPY benchmarks/gpu_mfu.py --toy|$VPY benchmarks/gpu_mfu.py
 3|bench-throughput|240|150|$VPY benchmarks/gpu_throughput.py --toy|$VPY benchmarks/gpu_throughput.py --rounds 1
+3|bench-moe-compile|150|90|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm grouped --compile aot_eager|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm grouped --compile inductor
 PLAN
 }
 STAGES=(1 2 3)
