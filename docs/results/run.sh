@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|width|clip|nmt|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -108,6 +108,28 @@ clip() {
   wait
 }
 
+# SparseClip's premise against E (issue 25 item 3): the expert / dense gradient-norm ratio for E = 8 ..
+# 256 experts in every layer, the clip stage's model otherwise (4-layer Magneto d=64, top-2, capacity 2,
+# lr 3e-3, 20 warm-up) with experts 256 wide so that E = 256 fits (34.4M expert parameters), 100 updates
+# of 8 x 128 tokens logged every update, NO clipping (the natural norms), no validation; the ratio
+# and its power-law fit by docs/results/grad_norm_scaling.py.
+CLIPSCALE_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto LAYERS=4 EMBED_DIM=64 FFN_DIM=256 HEADS=2
+  TOKENS_PER_SAMPLE=128 TOTAL_BATCH=8 BATCH_SIZE=8 LR=3e-3 WARMUP=20 MAX_UPDATE=100 LOG_INTERVAL=1
+  MOE_FREQ=1 TOP_K=2 CLIP=sparse CLIP_NORM=0 EXTRA_ARGS="--moe-capacity-factor 2 --disable-validation")
+clipscale() {
+  local e s
+  for s in "${SEEDS[@]}"; do
+    for e in 256 128 64 32 16 8; do sched run "clipscale_E${e}_s$s" lm/train_moe.sh "${CLIPSCALE_ARGS[@]}" EXPERTS="$e" SEED="$s"; done
+  done
+  wait
+  clipscale_plots
+}
+clipscale_plots() {
+  mkdir -p "$ROOT/docs/results/clip"
+  python docs/results/grad_norm_scaling.py "$RUNS"/clipscale_E*_s[0-9]*/ --plot "$ROOT/docs/results/clip/norm_ratio_vs_experts.png" \
+    | tee "$ROOT/docs/results/clip/norm_ratio_vs_experts.md"
+}
+
 # Dense vs X-MoE NMT at the same FLOPs per token (paper 2.2, Fig. 2): top-1 routing sends each token
 # through one expert FFN the size of the dense FFN, so 16 experts add parameters, not compute.
 # The demo's translation recipe otherwise: 2-2 layers d=128, FFN 512, experts in every 2nd layer,
@@ -213,6 +235,7 @@ plots() {
   depth_plots
   width_plots
   clip_plots
+  clipscale_plots
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
@@ -240,7 +263,9 @@ case "${1:-all}" in
   routing_early) routing_early ;;
   width_plots) width_plots ;;
   clip_plots) clip_plots ;;
+  clipscale) clipscale ;;
+  clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; width; clip; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; width; clip; clipscale; nmt; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
