@@ -55,6 +55,12 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to 3 significant digits, whole above 100 (CPU steps take seconds, GPU ones one)."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def interleaved_times(fns: list, repeats: int) -> list[list[float]]:
     """``repeats`` timed runs of each of ``fns`` after one warm-up run each, interleaved, in
     reverse order every other round (so no function always runs after the same one); GPU
@@ -155,7 +161,7 @@ def main() -> None:
     samples = interleaved_times([fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())], args.repeats)
     best = dict(zip(["dense", *layers], (min(t) for t in samples)))
     median = dict(zip(["dense", *layers], (statistics.median(t) for t in samples)))
-    print(f"dense FFN: best {best['dense'] * 1e3:.3g} ms, median {median['dense'] * 1e3:.3g} ms")
+    print(f"dense FFN: best {_ms(best['dense'])} ms, median {_ms(median['dense'])} ms")
     scale = dense_equivalents
     print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
           "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio |")
@@ -163,11 +169,11 @@ def main() -> None:
     for (e, mode), layer in layers.items():
         if e <= args.skip_one_hot_above and mode == modes[0]:
             t_ref = best_times([one_hot_step(layer, x)], max(1, min(3, args.repeats - 1)))[0]
-            ref = f"{t_ref * 1e3:.3g} | {t_ref / (scale * best['dense']):.2f}"
+            ref = f"{_ms(t_ref)} | {t_ref / (scale * best['dense']):.2f}"
         else:
             ref = "skipped | -"
         versus = f"{median[(e, 'grouped')] / median[(e, 'loop')]:.2f}" if len(modes) == 2 else "-"
-        print(f"| {e} | {mode} | {best[(e, mode)] * 1e3:.3g} | {median[(e, mode)] * 1e3:.3g} | "
+        print(f"| {e} | {mode} | {_ms(best[(e, mode)])} | {_ms(median[(e, mode)])} | "
               f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
               f"{versus} | {ref} |", flush=True)
     ratios = {e: median[(e, modes[0])] / (scale * median["dense"]) for e in args.experts}
