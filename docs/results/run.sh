@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -63,6 +63,49 @@ depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/r
     for backbone in postln deepnorm magneto; do  # one backbone at every depth
       python docs/results/aggregate.py "$RUNS"/depth_"$backbone"_L{2,6,18,50}_s[0-9]*/ --plot "$out/${metric}_$backbone.png" \
         --metric "$metric" --title "$metric, $backbone, 3 seeds (mean, min-max band)" >/dev/null
+    done
+  done
+}
+
+# Stability in DeepNet's regime (issue 25 item 1): Post-LN vs DeepNorm vs Magneto vs Pre-LN with a standard
+# warm-up, the depth stage's model and data otherwise (d=64, FFN 128, 2 heads, SentencePiece-4000,
+# 8 x 64 tokens per update, no clipping, no dropout): 1000 updates (0.76 epoch), 100 warm-up (10%),
+# polynomial decay to 0, validation every 250 updates on the first 30 validation batches.
+# Criteria, fixed before the runs (docs/results/stability.py): diverged = non-finite, or a final
+# training loss > 1 bit above its minimum; stalled = final validation ppl not 10% below the unigram
+# model's on those tokens (687, section 1); trains = neither. lr_max = the largest grid lr that trains.
+# The default is the slice a 45-minute stage holds (24 runs: 6 and 18 layers at lr 2e-3, chosen on a
+# one-seed validation pilot); the map is the same stage over the x2 grid and more depths, e.g.
+#   STAB_LRS="5e-4 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2" STAB_DEPTHS="50 18 6" bash docs/results/run.sh stability
+STAB_LRS="${STAB_LRS:-2e-3}"
+STAB_DEPTHS="${STAB_DEPTHS:-18 6}"
+STAB_UNIGRAM_PPL=687
+STAB_ARGS=(DATA="$SPM_LM_DATA" EMBED_DIM=64 FFN_DIM=128 HEADS=2 WARMUP=100 MAX_UPDATE=1000 DROPOUT=0
+  CLIP_NORM=0 LOG_INTERVAL=50 EXTRA_ARGS="--validate-interval-updates 250 --max-valid-steps 30")
+stability() {
+  local layers seed lr backbone
+  for layers in $STAB_DEPTHS; do
+    for seed in "${SEEDS[@]}"; do
+      for lr in $STAB_LRS; do
+        for backbone in postln deepnorm magneto preln; do
+          sched run "stab_${backbone}_L${layers}_lr${lr}_s${seed}" lm/train_dense.sh BACKBONE="$backbone" \
+            LAYERS="$layers" LR="$lr" SEED="$seed" "${STAB_ARGS[@]}"
+        done
+      done
+    done
+  done
+  wait
+  stability_report
+}
+stability_report() {  # the outcome table, lr_max against depth, and the validation curves per depth and lr
+  local out="$ROOT/docs/results/stability" layers lr
+  mkdir -p "$out"
+  python docs/results/stability.py "$RUNS"/stab_*_s[0-9]*/ --unigram "$STAB_UNIGRAM_PPL" \
+    --plot "$out/lr_max.png" | tee "$out/table.md"
+  for layers in $STAB_DEPTHS; do
+    for lr in $STAB_LRS; do
+      python docs/results/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
+        --metric valid_ppl --title "valid ppl, $layers layers, lr $lr, 3 seeds (mean, min-max band)" >/dev/null
     done
   done
 }
@@ -233,6 +276,7 @@ clip_plots() {
 plots() {
   local out="$ROOT/docs/results"
   depth_plots
+  stability_report
   width_plots
   clip_plots
   clipscale_plots
@@ -251,6 +295,8 @@ case "${1:-all}" in
   depth) depth ;;
   depth_run) depth_run "$2" "$3" "${4:-1}"; wait ;;
   depth_plots) depth_plots ;;
+  stability) stability ;;
+  stability_report) stability_report ;;
   width) width ;;
   width_run) width_run "$2" "$3" ;;
   clip) clip ;;
@@ -266,6 +312,6 @@ case "${1:-all}" in
   clipscale) clipscale ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; width; clip; clipscale; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; width; clip; clipscale; nmt; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
