@@ -83,10 +83,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         share = [100 * expert_share(r, e) for r in late]
         print(f"| {e} | {len(late)} | {spread(early, 3)} | {spread(late, 3)} | {spread(share, 3)} |")
     fits = {}
-    for phase, index in (("early", 0), ("late", 1)):
+    for phase, index in (("early", 0), ("late", 1)) if len(counts) > 1 else ():
         points = [(e, r[index]) for e in counts for r in by_experts[e]]
-        if len(counts) < 2:
-            continue
         c, alpha = fit_power_law(points)
         fits[phase] = (c, alpha)
         far = ", ".join(f"E={e}: r={c * e**alpha:.3g} (share {100 * expert_share(c * e**alpha, e):.3g}%)"
