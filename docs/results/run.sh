@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -107,6 +107,35 @@ stability_report() {  # the outcome table, lr_max against depth, and the validat
       python docs/results/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
         --metric valid_ppl --title "valid ppl, $layers layers, lr $lr, 3 seeds (mean, min-max band)" >/dev/null
     done
+  done
+}
+
+# Deeper at a budget where depth pays (issue 25 item 4): Magneto at 6 and 18 layers, d=128 (FFN 512,
+# 4 heads), 2000 updates of 8 x 64 tokens (1.5 epochs of the SentencePiece-4000 data), 200 warm-up
+# (10%), lr 2e-3 (a rate at which Magneto trains at 18 layers in the stability stage), polynomial decay
+# to 0, no clipping, no dropout; validation every 250 updates on the first 30 validation batches.
+# 18 layers first so that JOBS=2 packs well; 50 layers (2.7x an 18-layer run) is outside one stage.
+DEEPER_DEPTHS="${DEEPER_DEPTHS:-18 6}"
+DEEPER_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto EMBED_DIM=128 FFN_DIM=512 HEADS=4 LR=2e-3 WARMUP=200
+  MAX_UPDATE=2000 DROPOUT=0 CLIP_NORM=0 LOG_INTERVAL=50
+  EXTRA_ARGS="--validate-interval-updates 250 --max-valid-steps 30")
+deeper() {
+  local layers seed
+  for layers in $DEEPER_DEPTHS; do
+    for seed in "${SEEDS[@]}"; do
+      sched run "deeper_magneto_L${layers}_s${seed}" lm/train_dense.sh LAYERS="$layers" SEED="$seed" "${DEEPER_ARGS[@]}"
+    done
+  done
+  wait
+  deeper_plots
+}
+deeper_plots() {  # the 3-seed table and the validation / training curves of docs/results.md section 9
+  local out="$ROOT/docs/results/deeper" metric
+  mkdir -p "$out"
+  python docs/results/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ | tee "$out/table.md"
+  for metric in valid_ppl train_loss; do
+    python docs/results/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ --plot "$out/$metric.png" \
+      --metric "$metric" --title "Magneto d=128, 6 vs 18 layers, $metric (3 seeds)" >/dev/null
   done
 }
 
@@ -277,6 +306,7 @@ plots() {
   local out="$ROOT/docs/results"
   depth_plots
   stability_report
+  deeper_plots
   width_plots
   clip_plots
   clipscale_plots
@@ -296,6 +326,8 @@ case "${1:-all}" in
   depth_run) depth_run "$2" "$3" "${4:-1}"; wait ;;
   depth_plots) depth_plots ;;
   stability) stability ;;
+  deeper) deeper ;;
+  deeper_plots) deeper_plots ;;
   stability_report) stability_report ;;
   width) width ;;
   width_run) width_run "$2" "$3" ;;
@@ -312,6 +344,6 @@ case "${1:-all}" in
   clipscale) clipscale ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; width; clip; clipscale; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; nmt; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
