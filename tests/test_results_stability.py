@@ -53,3 +53,12 @@ def test_a_run_name_off_the_pattern_is_one_line(tmp_path: Path) -> None:
     run = _run(tmp_path, "st_postln_6_s1", 400.0, [9.0, 8.0])
     with pytest.raises(SystemExit, match="st_postln_6_s1: not named"):
         stability.main([str(run), "--unigram", "687"])
+
+
+def test_outcome_mode_prints_one_word_per_run(tmp_path: Path, capsys) -> None:
+    """What docs/results/run.sh's stability_search reads to walk the learning-rate grid."""
+    runs = [_run(tmp_path, "st_preln_L6_lr1e-3_s1", 600.0, [11.0, 9.0]),   # under 618.3: trains
+            _run(tmp_path, "st_preln_L6_lr2e-3_s1", 640.0, [11.0, 9.0]),   # over: stalled
+            _run(tmp_path, "st_preln_L6_lr4e-3_s1", 300.0, [11.0, 8.0, 9.5])]
+    stability.main([str(r) for r in runs] + ["--unigram", "687", "--outcome"])
+    assert capsys.readouterr().out.split() == ["trains", "stalled", "diverged"]

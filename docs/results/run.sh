@@ -97,6 +97,45 @@ stability() {
   wait
   stability_report
 }
+# The lr_max map as a search (issue 25 item 1): per backbone, depth and seed, from lr 2e-3 along the x2
+# grid STAB_GRID, upwards while the run trains, downwards while it does not, stopping at the first
+# change of outcome; lr_max = the largest lr that trains (assumed, as in DeepNet's and Magneto's
+# sweeps: a rate below one that trains also trains, and one above a failure also fails). Runs already
+# in $RUNS (the stability stage's, an interrupted search's) are read, not run again.
+STAB_GRID=(5e-4 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2)
+STAB_START=2  # index of 2e-3 in STAB_GRID
+stab_outcome() {  # BACKBONE LAYERS LR SEED: train the cell if it has no finished run, print its outcome
+  local name="stab_${1}_L${2}_lr${3}_s${4}"
+  grep -qs "done training\|FloatingPointError\|Nan/Inf\|nan or inf\|non-finite" "$RUNS/$name/train.log" ||
+    run "$name" lm/train_dense.sh BACKBONE="$1" LAYERS="$2" LR="$3" SEED="$4" "${STAB_ARGS[@]}" >&2
+  python docs/results/stability.py "$RUNS/$name" --unigram "$STAB_UNIGRAM_PPL" --outcome
+}
+stability_search_cell() {  # BACKBONE LAYERS SEED
+  local i="$STAB_START" first
+  first="$(stab_outcome "$1" "$2" "${STAB_GRID[$i]}" "$3")"
+  if [ "$first" = trains ]; then
+    while [ $((i + 1)) -lt ${#STAB_GRID[@]} ]; do
+      i=$((i + 1))
+      [ "$(stab_outcome "$1" "$2" "${STAB_GRID[$i]}" "$3")" = trains ] || break
+    done
+  else
+    while [ "$i" -gt 0 ]; do
+      i=$((i - 1))
+      [ "$(stab_outcome "$1" "$2" "${STAB_GRID[$i]}" "$3")" = trains ] && break
+    done
+  fi
+  echo "search $1 L$2 s$3 done $(date -u +%H:%M:%S)"
+}
+stability_search() {
+  local layers seed backbone
+  for layers in $STAB_DEPTHS; do
+    for seed in "${SEEDS[@]}"; do
+      for backbone in postln deepnorm magneto preln; do sched stability_search_cell "$backbone" "$layers" "$seed"; done
+    done
+  done
+  wait
+  STAB_LRS="${STAB_GRID[*]}" stability_report
+}
 stability_report() {  # the outcome table, lr_max against depth, and the validation curves per depth and lr
   local out="$ROOT/docs/results/stability" layers lr
   mkdir -p "$out"
@@ -329,6 +368,7 @@ case "${1:-all}" in
   deeper) deeper ;;
   deeper_plots) deeper_plots ;;
   stability_report) stability_report ;;
+  stability_search) stability_search ;;
   width) width ;;
   width_run) width_run "$2" "$3" ;;
   clip) clip ;;
@@ -345,5 +385,5 @@ case "${1:-all}" in
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
   all) depth; stability; deeper; width; clip; clipscale; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

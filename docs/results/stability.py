@@ -3,6 +3,7 @@ item 1, the DeepNet / Magneto stability claim), over runs named
 ``<prefix>_<backbone>_L<layers>_lr<lr>_s<seed>``.
 
     python docs/results/stability.py /tmp/results-work/runs/stab_*_s[0-9]* --unigram 687 [--plot out.png]
+    python docs/results/stability.py RUN_DIR --unigram 687 --outcome     # one run: trains|stalled|diverged
 
 Criteria, fixed before any run: a run **diverged** when it stopped on non-finite values or ended
 with a training loss more than 1 bit above its minimum (``summarize.py``); it **stalled** when its
@@ -55,7 +56,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories <prefix>_<backbone>_L<layers>_lr<lr>_s<seed>")
     parser.add_argument("--unigram", type=float, required=True, help="the unigram model's validation perplexity")
     parser.add_argument("--plot", type=Path, help="write lr_max against depth (PNG) here")
+    parser.add_argument("--outcome", action="store_true", help="print each run's outcome, one per line (no table)")
     args = parser.parse_args(argv)
+    if args.outcome:
+        for run_dir in args.runs:
+            print(outcome(run_dir, args.unigram)[0])
+        return
     # (backbone, layers) -> seed -> lr -> (outcome, ppl)
     grid: dict[tuple[str, int], dict[int, dict[float, tuple[str, float | None]]]] = {}
     for run_dir in args.runs:
