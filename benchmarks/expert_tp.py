@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.rendezvous import rendezvous_url  # noqa: E402
-from torchscale_fairseq.model_parallel import process_groups as groups  # noqa: E402
 from torchscale_fairseq.model_parallel.attributes import is_expert  # noqa: E402
+from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context  # noqa: E402
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig  # noqa: E402
 from torchscale_fairseq.modules.moe.layer import MoELayer  # noqa: E402
@@ -53,8 +53,7 @@ def step(layer: MoELayer, x: torch.Tensor) -> float:
 def worker(rank: int, args: argparse.Namespace, init_method: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
-    groups.initialize_model_parallel(2)
-    tp = groups.get_tensor_parallel_group()
+    tp = build_parallel_context(2).tensor_group
     for tokens, d, f, e in SIZES:
         cfg = MoEConfig(expert_count=e, second_expert_policy="all")
         layers = {}

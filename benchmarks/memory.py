@@ -112,19 +112,19 @@ def worker(args: argparse.Namespace) -> None:
 
     from torchscale_fairseq.architecture.config import StackConfig
     from torchscale_fairseq.architecture.layer import TransformerLayer
-    from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, initialize_model_parallel
+    from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context
     from torchscale_fairseq.modules.backbone import build_backbone
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.world)
-    initialize_model_parallel(args.world)
+    parallel = build_parallel_context(args.world)
     rows = []
     for backbone, recompute, sequence_parallel in configurations(args.world):
         cfg = StackConfig(embed_dim=HIDDEN, ffn_dim=FFN, layers=12, attention_heads=HEADS,
                           backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=args.seq,
                           dropout=0.1, attention_dropout=0.1, checkpoint_activations=recompute == "full",
                           selective_recompute=recompute == "selective",
-                          tp_group=get_tensor_parallel_group(), sequence_parallel=sequence_parallel)
+                          parallel=parallel, sequence_parallel=sequence_parallel)
         torch.manual_seed(0)
         layer = TransformerLayer(cfg).to(getattr(torch, args.dtype)).train()
         local = args.seq // args.world if sequence_parallel else args.seq

@@ -30,18 +30,18 @@ def worker(args: argparse.Namespace) -> None:
     from torchscale_fairseq.architecture.config import StackConfig
     from torchscale_fairseq.architecture.layer import TransformerLayer
     from torchscale_fairseq.model_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, initialize_model_parallel
+    from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context
     from torchscale_fairseq.modules.backbone import build_backbone
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=2)
-    initialize_model_parallel(2)
+    parallel = build_parallel_context(2)
     b, s, h = args.batch, args.seq, args.hidden
     rows = {}
     for backbone in ("magneto", "preln"):
         cfg = StackConfig(embed_dim=h, ffn_dim=args.ffn, layers=12, attention_heads=args.heads,
                           backbone=build_backbone(backbone, "decoder_only", 0, 12), max_positions=s, dropout=0.0,
-                          tp_group=get_tensor_parallel_group())
+                          parallel=parallel)
         torch.manual_seed(0)
         layer = TransformerLayer(cfg)
         x = torch.randn(b, s, h, requires_grad=True)
@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     logits = torch.randn(b * s, 512, requires_grad=True)
     with record_collectives() as log:
         vocab_parallel_cross_entropy(logits, torch.randint(0, 1000, (b * s,)), 1000,
-                                     get_tensor_parallel_group()).nll.sum().backward()
+                                     parallel.tensor_group).nll.sum().backward()
     rows["loss"] = log
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(rows))

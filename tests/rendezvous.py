@@ -33,7 +33,7 @@ def start_ranks(worker: Callable[..., None], args: tuple, nprocs: int, device: s
 
 
 def leave_process_group() -> None:
-    """Where the ranks part: all arrive, the plugin's cached groups are dropped, then the process
+    """Where the ranks part: all arrive, the plugin's parallel context is dropped, then the process
     group is destroyed while the interpreter is fully alive. A gloo group that something still
     references is otherwise destroyed during interpreter finalisation, which can abort the rank with
     SIGABRT ("terminate called without an active exception"; upstream: pytorch/pytorch#179291)."""
@@ -41,11 +41,9 @@ def leave_process_group() -> None:
 
     import torch.distributed as dist
 
-    from torchscale_fairseq.model_parallel.process_groups import destroy_model_parallel
-    from torchscale_fairseq.modules.moe.groups import destroy_expert_parallel
+    from torchscale_fairseq.model_parallel.parallel_context import destroy_parallel_context
 
     dist.barrier()
-    destroy_expert_parallel()
-    destroy_model_parallel()
+    destroy_parallel_context()
     gc.collect()
     dist.destroy_process_group()

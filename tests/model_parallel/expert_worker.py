@@ -25,16 +25,19 @@ from torch import nn
 
 from tests.rendezvous import leave_process_group
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, is_expert, sharded_dim
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear
+from torchscale_fairseq.model_parallel.parallel_context import (
+    build_parallel_context,
+    current_parallel_context,
+    set_parallel_context,
+)
 from torchscale_fairseq.model_parallel.partition import layout, shard_tensor
 from torchscale_fairseq.model_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
-from torchscale_fairseq.modules.moe.groups import get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import MoELayer
 from torchscale_fairseq.optim.grad_norm import squared_norm_parts
 
@@ -83,7 +86,7 @@ def step(layer: MoELayer, dp_rank: int) -> dict:
 def reference(spec: dict) -> dict:
     """The single-process layer on each data-parallel rank's batch; expert gradients summed."""
     dense = build(spec)
-    runs = [step(dense, r) for r in range(groups.get_data_parallel_world_size())]
+    runs = [step(dense, r) for r in range(current_parallel_context().data_size)]
     expert_grads = {n: sum(run["grads"][n] for run in runs) for n, p in dense.named_parameters() if is_expert(p)}
     return {"runs": runs, "expert_grads": expert_grads, "params": dict(dense.named_parameters())}
 
@@ -94,14 +97,14 @@ def expected(p: torch.Tensor, full: torch.Tensor, first: int, local: int) -> tor
     dim = sharded_dim(p)
     if dim is None:
         return mine
-    return shard_tensor(mine, dim, getattr(p, TP_STRIDE, 1), groups.get_tensor_parallel_rank(), TP)
+    return shard_tensor(mine, dim, getattr(p, TP_STRIDE, 1), current_parallel_context().tensor_rank, TP)
 
 
 def check(spec: dict, mode: str, ref: dict) -> dict:
-    parallel = get_expert_parallel(EXPERTS)
-    tp_group = groups.get_tensor_parallel_group() if mode == "split" else None
+    parallel = current_parallel_context().expert_parallel(EXPERTS)
+    tp_group = current_parallel_context().tensor_group if mode == "split" else None
     layer = build(spec, parallel, tp_group)
-    dp_rank = groups.get_data_parallel_rank()
+    dp_rank = current_parallel_context().data_rank
     run = step(layer, dp_rank)
     mine = ref["runs"][dp_rank]
     errors = {"out": err(run["out"], mine["out"]), "grad_x": err(run["grad_x"], mine["grad_x"]),
@@ -115,7 +118,7 @@ def check(spec: dict, mode: str, ref: dict) -> dict:
         else:
             router = max(router, err(p.grad, mine["grads"][name]))
     errors.update(expert_weights=weights, expert_grads=grads, router_grads=router)
-    _, expert_sq = squared_norm_parts(layer.parameters(), groups.get_tensor_parallel_group())
+    _, expert_sq = squared_norm_parts(layer.parameters(), current_parallel_context().tensor_group)
     reference_sq = sum(float(g.double().pow(2).sum()) for g in ref["expert_grads"].values())
     errors["expert_norm_rel"] = abs(float(expert_sq) - reference_sq) / reference_sq
     recorded = layout(layer)
@@ -127,10 +130,10 @@ def check(spec: dict, mode: str, ref: dict) -> dict:
 def mismatch_messages(spec: dict) -> dict[str, str]:
     """The one-line error of loading each mode's state into the other mode's model (a
     tensor-parallel model: the MoE layer beside a column-parallel layer)."""
-    tp = groups.get_tensor_parallel_group()
+    tp = current_parallel_context().tensor_group
 
     def model(mode: str) -> nn.Module:
-        layer = build(spec, get_expert_parallel(EXPERTS), tp if mode == "split" else None)
+        layer = build(spec, current_parallel_context().expert_parallel(EXPERTS), tp if mode == "split" else None)
         return nn.ModuleDict({"moe": layer, "attn": ColumnParallelLinear(D, D, tp_group=tp)})
 
     messages = {}
@@ -148,13 +151,13 @@ def dropout_streams() -> dict[str, dict[str, bool]]:
     the tensor-parallel group, the output is identical on its ranks, and the tracker's
     per-rank stream was drawn from (split: dropout on this rank's features; replicate: the
     default generator, as on every rank)."""
-    tp = groups.get_tensor_parallel_group()
+    tp = current_parallel_context().tensor_group
     out = {}
     for mode in ("split", "replicate"):
         torch.manual_seed(5)
         layer = MoELayer(CONFIGS["magneto"]["cfg"], FFNSpec(D, FFN, "gelu", 0.3, subln=True),
-                         parallel=get_expert_parallel(EXPERTS), tp_group=tp if mode == "split" else None)
-        x, mask, grad_out = batch(groups.get_data_parallel_rank())
+                         parallel=current_parallel_context().expert_parallel(EXPERTS), tp_group=tp if mode == "split" else None)
+        x, mask, grad_out = batch(current_parallel_context().data_rank)
         torch.manual_seed(400)
         tracker_before = get_rng_tracker().state_dict()[MODEL_PARALLEL_RNG]["cpu"]
         y, aux = layer(x, mask)
@@ -173,8 +176,8 @@ def main() -> None:
     rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    groups.initialize_model_parallel(TP)
-    model_parallel_seed(9, groups.get_tensor_parallel_rank(), TP)
+    set_parallel_context(build_parallel_context(TP, experts=[(EXPERTS, 0)]))
+    model_parallel_seed(9, current_parallel_context().tensor_rank, TP)
     results: dict = {}
     for name, spec in CONFIGS.items():
         ref = reference(spec)
@@ -183,7 +186,7 @@ def main() -> None:
     results["messages"] = mismatch_messages(CONFIGS["magneto"])
     results["dropout"] = dropout_streams()
     try:
-        GroupedExperts(FFNSpec(D, FFN + 1), num_local=2, tp_group=groups.get_tensor_parallel_group())
+        GroupedExperts(FFNSpec(D, FFN + 1), num_local=2, tp_group=current_parallel_context().tensor_group)
         results["odd_ffn"] = ""
     except TsConfigError as e:
         results["odd_ffn"] = str(e)

@@ -25,7 +25,6 @@ from tests.model_parallel.collectives import record_collectives
 from tests.rendezvous import leave_process_group
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.layer import TransformerLayer
-from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import TP_STRIDE, sharded_dim
 from torchscale_fairseq.model_parallel.cross_entropy import (
     label_smoothed_loss,
@@ -38,6 +37,12 @@ from torchscale_fairseq.model_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     padded_vocab_size,
+)
+from torchscale_fairseq.model_parallel.parallel_context import (
+    ParallelContext,
+    build_parallel_context,
+    current_parallel_context,
+    set_parallel_context,
 )
 from torchscale_fairseq.model_parallel.partition import shard_tensor
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
@@ -60,11 +65,12 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tp():
     """The tensor-parallel group the parallel layers under test split over."""
-    return groups.get_tensor_parallel_group()
+    return current_parallel_context().tensor_group
 
 
 def shard_of(full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-    return shard_tensor(full, dim, stride, groups.get_tensor_parallel_rank(), groups.get_tensor_parallel_world_size())
+    parallel = current_parallel_context()
+    return shard_tensor(full, dim, stride, parallel.tensor_rank, parallel.tensor_size)
 
 
 def seeded(seed: int, factory):
@@ -203,11 +209,11 @@ def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
     }, list(log)
 
 
-def layer_config(backbone: str, tp_group=None, sequence_parallel: bool = False) -> StackConfig:
+def layer_config(backbone: str, parallel: ParallelContext | None = None, sequence_parallel: bool = False) -> StackConfig:
     return StackConfig(
         embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
-        backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0, tp_group=tp_group,
-        sequence_parallel=sequence_parallel,
+        backbone=build_backbone(backbone, "decoder_only", 0, 2), max_positions=64, dropout=0.0,
+        parallel=parallel or ParallelContext.single_process(), sequence_parallel=sequence_parallel,
     )
 
 
@@ -224,7 +230,7 @@ def check_sequence_parallel_layer(backbone: str, dense: dict) -> tuple[dict[str,
     """The layer on this rank's slice of a T_SP-long sequence (sequence parallelism):
     output and input gradient equal the dense layer's on those positions, and the
     parameter gradients once the sequence-parallel ones are summed over the group."""
-    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, tp(), sequence_parallel=True)))
+    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, current_parallel_context(), sequence_parallel=True)))
     x = sequence_slice(randn(21, B, T_SP, D)).requires_grad_()
     with record_collectives() as log:
         y, _ = par(x, causal=True)
@@ -237,9 +243,10 @@ def check_sequence_parallel_layer(backbone: str, dense: dict) -> tuple[dict[str,
     }, list(log)
 
 
-def moe_transformer_layer(tp_group=None, sequence_parallel: bool = False) -> TransformerLayer:
+def moe_transformer_layer(parallel: ParallelContext | None = None, sequence_parallel: bool = False) -> TransformerLayer:
     """A Magneto layer whose FFN is an X-MoE layer (4 split experts, both experts of every token)."""
-    cfg = layer_config("magneto", tp_group, sequence_parallel)
+    cfg = layer_config("magneto", parallel, sequence_parallel)
+    tp_group = cfg.tp_group
     b = cfg.backbone
     moe = MoELayer(MoEConfig(expert_count=4, second_expert_policy="all"), FFNSpec(D, FFN, cfg.activation, 0.0, b.subln, b.gain,
                    cfg.layernorm_eps), tag="moe", tp_group=tp_group,
@@ -269,7 +276,7 @@ def check_sequence_parallel_moe_layer(dense: dict) -> tuple[dict[str, float], li
     input gradient equal the unsplit layer's on those positions, the balance loss equals
     its loss (routing over the same tokens), and the parameter gradients (router and
     split experts unmarked, LayerNorms summed over the group) equal its gradients."""
-    par = seeded(23, lambda: moe_transformer_layer(tp(), sequence_parallel=True))
+    par = seeded(23, lambda: moe_transformer_layer(current_parallel_context(), sequence_parallel=True))
     x = sequence_slice(randn(21, B, T_SP, D)).requires_grad_()
     with record_collectives() as log:
         y, aux = par(x, padding_mask=moe_padding_mask(), causal=True)
@@ -284,11 +291,12 @@ def check_sequence_parallel_moe_layer(dense: dict) -> tuple[dict[str, float], li
 
 
 def sequence_slice(full: torch.Tensor) -> torch.Tensor:
-    return full.chunk(groups.get_tensor_parallel_world_size(), dim=1)[groups.get_tensor_parallel_rank()].clone()
+    parallel = current_parallel_context()
+    return full.chunk(parallel.tensor_size, dim=1)[parallel.tensor_rank].clone()
 
 
 def check_transformer_layer(backbone: str, dense: dict) -> tuple[dict[str, float], list]:
-    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, tp())))
+    par = seeded(20, lambda: TransformerLayer(layer_config(backbone, current_parallel_context())))
     x = randn(21, B, T, D).requires_grad_()
     with record_collectives() as log:
         y, _ = par(x, causal=True)
@@ -332,13 +340,13 @@ def check_dropout_masks(world: int, seed: int = 5) -> dict[str, dict]:
     kinds = {(B, heads, T, T): "attention", (B, T, ffn): "activation", (B, T, D): "residual"}
     cfg = StackConfig(
         embed_dim=D, ffn_dim=48, layers=2, attention_heads=HEADS, backbone=build_backbone("magneto", "decoder_only", 0, 2),
-        max_positions=64, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, tp_group=tp(),
+        max_positions=64, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, parallel=current_parallel_context(),
     )
     layer = seeded(30, lambda: TransformerLayer(cfg)).train()
     x = randn(31, B, T, D)
     out: dict[str, dict] = {}
     for case in ("tracked", "untracked"):
-        model_parallel_seed(seed, groups.get_tensor_parallel_rank(), world)
+        model_parallel_seed(seed, current_parallel_context().tensor_rank, world)
         if case == "untracked":
             get_rng_tracker().reset()
         torch.manual_seed(seed)
@@ -361,7 +369,7 @@ def _recompute_run(selective: bool, streams: dict, sequence_parallel: bool) -> t
     get_rng_tracker().load_state_dict(streams)
     cfg = StackConfig(embed_dim=D, ffn_dim=FFN, layers=2, attention_heads=HEADS,
                       backbone=build_backbone("magneto", "decoder_only", 0, 2), max_positions=64, dropout=0.1,
-                      attention_dropout=0.3, selective_recompute=selective, tp_group=tp(),
+                      attention_dropout=0.3, selective_recompute=selective, parallel=current_parallel_context(),
                       sequence_parallel=sequence_parallel)
     layer = seeded(30, lambda: TransformerLayer(cfg))
     t = T_SP if sequence_parallel else T
@@ -415,7 +423,7 @@ def main() -> None:
         "sp_preln": dense_transformer_layer("preln", T_SP),
         "sp_moe": dense_moe_layer(),
     }
-    groups.initialize_model_parallel(world)
+    set_parallel_context(build_parallel_context(world))
     results: dict = {"errors": {}, "collectives": {}, "shape": [B, T, D]}
     results["errors"]["column"] = check_column(dense["column"], world)
     results["errors"]["row"] = check_row(dense["row"])

@@ -52,7 +52,7 @@ def test_accuracy_reuses_the_cross_entropy_of_the_loss(monkeypatch):
     monkeypatch.setattr(vocab_parallel, "vocab_parallel_cross_entropy",
                         lambda *args: calls.append(1) or parallel_ce(*args))
     monkeypatch.setattr(vocab_parallel, "_tensor_parallel", lambda: True)
-    monkeypatch.setattr(vocab_parallel, "get_tensor_parallel_group", lambda: None)
+    monkeypatch.setattr(vocab_parallel, "_tensor_group", lambda: None)
     for _ in range(2):  # a second micro-batch: no stale reuse
         _, _, got = criterion(model, sample)
     assert len(calls) == 2, "one vocabulary-parallel cross-entropy per micro-batch"

@@ -29,17 +29,18 @@ def hand_balance(probs: torch.Tensor, first: torch.Tensor) -> float:
 
 def worker(rank: int, init_method: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context
     from torchscale_fairseq.modules.feedforward import FFNSpec
     from torchscale_fairseq.modules.moe.config import MoEConfig
-    from torchscale_fairseq.modules.moe.groups import get_expert_parallel
     from torchscale_fairseq.modules.moe.layer import MoELayer
 
+    experts = build_parallel_context(1, experts=[(EXPERTS, 0)]).expert_parallel(EXPERTS)
     g = torch.Generator().manual_seed(5)
     inputs = [torch.randn(1, n, DIM, generator=g) * 3 for n in TOKENS]
     for scope in ("local", "global"):
         torch.manual_seed(0)  # the router is replicated: same weights on both ranks
         layer = MoELayer(MoEConfig(expert_count=EXPERTS, top_k=2, capacity_factor=0.0, balance_scope=scope), FFNSpec(DIM, 16),
-                         parallel=get_expert_parallel(EXPERTS))
+                         parallel=experts)
         _, aux = layer(inputs[rank])
         with torch.no_grad():
             probs = [torch.softmax(layer.router(x.reshape(-1, DIM)), -1) for x in inputs]

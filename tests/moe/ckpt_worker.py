@@ -24,7 +24,11 @@ from tests import model_utils
 from tests.model_parallel.collectives import record_collectives
 from tests.rendezvous import leave_process_group
 from torchscale_fairseq.criterions.moe_terms import OutputRecorder
-from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.parallel_context import (
+    build_parallel_context,
+    current_parallel_context,
+    set_parallel_context,
+)
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
 
 SEED, BATCH, LENGTH = 3, 4, 12
@@ -71,7 +75,7 @@ def batch(kind: str, dictionary, dp_rank: int) -> tuple[dict, int]:
 def step(name: str, checkpoint: bool, tp: int, dictionary) -> dict:
     """Build the model from the seed and take one criterion forward and backward."""
     torch.manual_seed(SEED)
-    model_parallel_seed(SEED, groups.get_tensor_parallel_rank(), tp)
+    model_parallel_seed(SEED, current_parallel_context().tensor_rank, tp)
     kind, flags = MODELS[name]
     model = model_utils.build(kind, dictionary, checkpoint_activations=checkpoint, **SIZES, **flags).train()
     criterion = CRITERION_REGISTRY["moe_cross_entropy"](model_utils.FakeTask(dictionary), False)
@@ -120,7 +124,7 @@ def main() -> None:
     rank, world, tp, init_method, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    groups.initialize_model_parallel(tp)
+    set_parallel_context(build_parallel_context(tp, experts=[(MOE["moe_expert_count"], 0)]))
     dictionary = model_utils.dictionary(40)
     results: dict = {"moe_layers": 2}
     for name in MODELS:

@@ -14,9 +14,10 @@ from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.criterions.moe_terms import moe_outputs
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.expert_parallel import expert_layout
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
-from torchscale_fairseq.modules.moe.groups import expert_layout, get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import EXPERT_CHOICE_DECODING, MoELayer, check_generation
 
 
@@ -45,7 +46,7 @@ def test_expert_parallel_size_layout_and_errors():
     with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size -1 is negative"):
         expert_layout(4, 8, -1)
     with pytest.raises(TsConfigError, match=r"^--moe-expert-parallel-size 2 does not divide the 1 data-parallel"):
-        get_expert_parallel(4, 2)  # one process
+        ParallelContext.single_process().expert_parallel(4, 2)  # one process
 
 
 @pytest.mark.parametrize("kw,match", [

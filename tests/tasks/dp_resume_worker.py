@@ -38,9 +38,9 @@ def worker(rank: int, data: str, out: str, init_method: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     from tests.tasks.conftest import build_task
-    from torchscale_fairseq.model_parallel import process_groups
+    from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context, set_parallel_context
 
-    process_groups.initialize_model_parallel(1)
+    set_parallel_context(build_parallel_context(1))
     gathers = []
     all_gather_object = dist.all_gather_object
 

@@ -16,7 +16,8 @@ from torchscale_fairseq.data.document_encoders import GPT2Documents
 from torchscale_fairseq.data.lm_stream import CorpusStream, Cursor, shard_order
 from torchscale_fairseq.data.stream_index import load_index
 from torchscale_fairseq.data.text_shards import ShardReader
-from torchscale_fairseq.model_parallel import process_groups
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
+from torchscale_fairseq.tasks import streaming
 
 EOS, OFFSET, T = 2, 4, 16
 document_ids = GPT2Documents(EOS, OFFSET)
@@ -85,8 +86,8 @@ def test_tensor_parallel_ranks_identical_data_parallel_ranks_differ(tmp_path: Pa
     make_stream_data(tmp_path, {"c": (2, 9, 1.0)})
 
     def run(dp_rank: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(process_groups, "get_data_parallel_rank", lambda: dp_rank)
-        monkeypatch.setattr(process_groups, "get_data_parallel_world_size", lambda: 2)
+        rank_of_two = ParallelContext(2, dp_rank, (dp_rank,), (0, 1), (dp_rank,), (dp_rank,))
+        monkeypatch.setattr(streaming, "current_parallel_context", lambda: rank_of_two)
         samples, _ = batches(task_factory(tmp_path), 4)
         return [s["target"] for s in samples]
 

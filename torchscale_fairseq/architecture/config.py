@@ -1,15 +1,16 @@
 """What one stack (encoder or decoder) of a ts model is made of, read from fairseq args;
-handed to every module of the stack (nanoGPT's config object). ``tp_group`` is the
-tensor-parallel group its layers split over, read here, at the edge, from
-:mod:`torchscale_fairseq.model_parallel.process_groups` (``None``: no tensor parallelism)."""
+handed to every module of the stack (nanoGPT's config object). ``parallel`` is the run's
+:class:`~torchscale_fairseq.model_parallel.parallel_context.ParallelContext`, given by the model
+builder: ``tp_group``, the tensor-parallel group the layers split over (``None``: no tensor
+parallelism), and the MoE layers' expert layouts come from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group, group_size
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
 from torchscale_fairseq.modules.feedforward import FFNSpec, check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
@@ -58,8 +59,13 @@ class StackConfig:
     layernorm_eps: float = 1e-5
     share_input_output_embed: bool = False
     moe: Any = None
-    tp_group: Any = None
+    parallel: ParallelContext = field(default_factory=ParallelContext.single_process)
     sequence_parallel: bool = False
+
+    @property
+    def tp_group(self) -> Any:
+        """The tensor-parallel group of :attr:`parallel` (``None``: a group of one)."""
+        return self.parallel.tensor_group
 
     def ffn_spec(self) -> FFNSpec:
         """The dense FFN of this stack's layers (an MoE layer's experts derive theirs from it)."""
@@ -68,8 +74,9 @@ class StackConfig:
                        self.layernorm_eps)
 
     @classmethod
-    def from_args(cls, args: Any, side: str, part: str) -> "StackConfig":
-        """``side`` is ``encoder`` or ``decoder``; ``part`` one of :data:`modules.backbone.PARTS`."""
+    def from_args(cls, args: Any, side: str, part: str, parallel: ParallelContext) -> "StackConfig":
+        """``side`` is ``encoder`` or ``decoder``; ``part`` one of :data:`modules.backbone.PARTS`;
+        ``parallel``: the run's context."""
         positions = "none" if getattr(args, "no_token_positional_embeddings", False) else (
             "learned" if getattr(args, f"{side}_learned_pos", False) else "sinusoidal"
         )
@@ -106,16 +113,17 @@ class StackConfig:
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
             moe=moe_config_from_args(args),
-            tp_group=get_tensor_parallel_group(),
-            sequence_parallel=sequence_parallel_from_args(args),
+            parallel=parallel,
+            sequence_parallel=sequence_parallel_from_args(args, parallel.tensor_size),
         )
 
 
-def sequence_parallel_from_args(args: Any) -> bool:
-    """``--sequence-parallel``, refused in one line where it cannot work."""
+def sequence_parallel_from_args(args: Any, tensor_size: int) -> bool:
+    """``--sequence-parallel`` at tensor-parallel size ``tensor_size``, refused in one line where it
+    cannot work."""
     if not getattr(args, "sequence_parallel", False):
         return False
-    if group_size(get_tensor_parallel_group()) == 1:
+    if tensor_size == 1:
         raise TsConfigError(
             "--sequence-parallel splits activations over the tensor-parallel group: it needs --model-parallel-size > 1 "
             "(drop the flag or raise --model-parallel-size)"

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import expert_group, is_expert
+from torchscale_fairseq.model_parallel.parallel_context import parallel_groups_layout
 from torchscale_fairseq.model_parallel.partition import layout
-from torchscale_fairseq.model_parallel.process_groups import tensor_parallel_groups_layout
 
 RECORD_KEY = "ts_tensor_parallel"
 EXPERT_RECORD_KEY = "expert_parallel"
@@ -280,9 +280,9 @@ def _ranks_from_config(state: dict[str, Any], tp_size: int, experts: int) -> tup
             f"the checkpoint records rank {rank} of {world} at --model-parallel-size {tp_size}, which is not a "
             "valid layout: it was not saved by fairseq-train with this plugin"
         )
-    tp_groups, dp_groups = tensor_parallel_groups_layout(world, tp_size)
-    tp_rank = next(g.index(rank) for g in tp_groups if rank in g)
-    dp_rank = next(g.index(rank) for g in dp_groups if rank in g)
+    groups = parallel_groups_layout(world, tp_size)
+    tp_rank = next(g.index(rank) for g in groups.tensor if rank in g)
+    dp_rank = next(g.index(rank) for g in groups.data if rank in g)
     dp_size = world // tp_size
     if experts > 0 and dp_size > 1:
         return tp_rank, dp_size, dp_rank

@@ -23,14 +23,16 @@ from torchscale_fairseq.model_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from torchscale_fairseq.model_parallel.layers import padded_vocab_size
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_tensor_parallel_group,
-    get_tensor_parallel_world_size,
-)
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 
 
 def _tensor_parallel() -> bool:
-    return get_tensor_parallel_world_size() > 1
+    return current_parallel_context().tensor_size > 1
+
+
+def _tensor_group():
+    """The tensor-parallel group the logits' vocabulary is split over."""
+    return current_parallel_context().tensor_group
 
 
 def _sum_or_keep(x: torch.Tensor, reduce: bool) -> torch.Tensor:
@@ -45,7 +47,7 @@ class CrossEntropyCriterion(cross_entropy.CrossEntropyCriterion):
             return super().compute_loss(model, net_output, sample, reduce)
         logits = net_output[0]
         target = model.get_targets(sample, net_output)
-        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary), get_tensor_parallel_group()).nll
+        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary), _tensor_group()).nll
         nll = nll.masked_fill(target.eq(self.padding_idx), 0.0).view(-1)
         loss = _sum_or_keep(nll, reduce)
         return loss, loss
@@ -73,7 +75,7 @@ class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoot
             target = target[:, self.ignore_prefix_size :]
         target = target.reshape(-1)
         vocab = len(self.task.target_dictionary)
-        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab, get_tensor_parallel_group())
+        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab, _tensor_group())
         return losses, target, vocab
 
     def compute_loss(self, model, net_output, sample, reduce=True):
@@ -107,7 +109,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
             masked_tokens = None
         logits = model(**sample["net_input"], masked_tokens=masked_tokens, vocab_parallel_logits=True)[0]
         vocab = len(self.task.source_dictionary)
-        n = get_tensor_parallel_world_size()
+        n = current_parallel_context().tensor_size
         if logits.size(-1) != padded_vocab_size(vocab, n) // n:
             raise TsConfigError(
                 "masked_lm at --model-parallel-size > 1 needs a model that returns vocabulary-parallel "
@@ -117,7 +119,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
         if masked_tokens is not None:
             targets = targets[masked_tokens]
         targets = targets.reshape(-1)
-        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab, get_tensor_parallel_group()).nll
+        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab, _tensor_group()).nll
         loss = nll.masked_fill(targets.eq(self.padding_idx), 0.0).sum()
         logging_output = {
             "loss": loss.data,

@@ -34,27 +34,29 @@ from fairseq.data.iterators import CountingIterator, EpochBatchIterating
 
 from torchscale_fairseq.data.lm_stream import LMBlockStream
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel import process_groups
 
 logger = logging.getLogger(__name__)
 
 
-def _gather_dp(mine: dict, dp_rank: int, known: list[dict]) -> list[dict]:
-    """The stream state of every data-parallel rank (only this rank's is refreshed without a process group).
+def _gather_dp(mine: dict, dp_rank: int, known: list[dict], data_group: dist.ProcessGroup | None) -> list[dict]:
+    """The stream state of every rank of ``data_group`` (only this rank's is refreshed without a process group).
 
     A collective: every data-parallel rank calls it at the same batch."""
     if len(known) == 1 or not dist.is_initialized():
         return [mine if r == dp_rank else state for r, state in enumerate(known)]
     out: list = [None] * len(known)
-    dist.all_gather_object(out, mine, group=process_groups.get_data_parallel_group())
+    dist.all_gather_object(out, mine, group=data_group)
     return out
 
 
 class StreamEpochBatchIterator(EpochBatchIterating):
-    """fairseq epoch iterator for the streaming tasks (resumable mid-shard)."""
+    """fairseq epoch iterator for the streaming tasks (resumable mid-shard); ``data_group``: the
+    data-parallel group the positions are gathered over."""
 
-    def __init__(self, dataset: LMBlockStream, num_workers: int, batches_per_epoch: int, epoch: int = 1) -> None:
+    def __init__(self, dataset: LMBlockStream, num_workers: int, batches_per_epoch: int, epoch: int = 1,
+                 data_group: dist.ProcessGroup | None = None) -> None:
         self.dataset = dataset
+        self.data_group = data_group
         self.num_workers = num_workers
         self.batches_per_epoch = batches_per_epoch
         self.epoch = max(epoch, 1)
@@ -107,7 +109,8 @@ class StreamEpochBatchIterator(EpochBatchIterating):
         A collective when data-parallel: every data-parallel rank calls it at the same batch."""
         if self._behind == 0 or self._position is None:
             return  # the snapshot is current, or not read up to yet (the same on every rank)
-        self._rank_states = _gather_dp(copy.deepcopy(self._position), self.dataset.dp_rank, self._rank_states)
+        self._rank_states = _gather_dp(copy.deepcopy(self._position), self.dataset.dp_rank, self._rank_states,
+                                       self.data_group)
         self._behind = 0
 
     def _batches(self, n: int) -> Iterator[dict]:

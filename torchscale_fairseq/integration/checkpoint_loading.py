@@ -28,10 +28,7 @@ from torchscale_fairseq.checkpoints.layout import (
     read_record,
 )
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_data_parallel_world_size,
-    get_tensor_parallel_world_size,
-)
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 
 STOCK_LOAD = checkpoint_utils.load_checkpoint_to_cpu
 STOCK_FILENAME = checkpoint_utils.get_maybe_sharded_checkpoint_filename
@@ -69,9 +66,10 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         if _raised_in_torch_load(e):
             raise _unreadable(path, e) from e
         raise
-    check_tensor_parallel_size(state, path, get_tensor_parallel_world_size())
+    parallel = current_parallel_context()
+    check_tensor_parallel_size(state, path, parallel.tensor_size)
     if read_record(state).experts > 0:  # experts are sharded over the data-parallel ranks when there are several
-        check_expert_shards(state, path, get_data_parallel_world_size())
+        check_expert_shards(state, path, parallel.data_size)
     return state
 
 
@@ -89,5 +87,5 @@ def get_maybe_sharded_checkpoint_filename(filename: str, suffix: str, shard_idx:
     resolved = STOCK_FILENAME(filename, suffix, shard_idx, num_shards)
     if os.path.exists(resolved) or not filename.endswith(".pt"):
         return resolved
-    check_checkpoint_name(filename, get_tensor_parallel_world_size())
+    check_checkpoint_name(filename, current_parallel_context().tensor_size)
     return resolved

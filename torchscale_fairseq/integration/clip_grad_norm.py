@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from fairseq import utils
 
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.optim.grad_norm import norm_and_clip_
 
 STOCK_CLIP_GRAD_NORM = utils.clip_grad_norm_
@@ -26,4 +26,4 @@ def clip_grad_norm_(params, max_norm: float, aggregate_norm_fn=None) -> torch.Te
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return params[0].new_tensor(0.0) if params else torch.tensor(0.0)
-    return norm_and_clip_(with_grad, max_norm, 1.0, get_tensor_parallel_group(), aggregate_norm_fn)[1]
+    return norm_and_clip_(with_grad, max_norm, 1.0, current_parallel_context().tensor_group, aggregate_norm_fn)[1]

@@ -23,16 +23,17 @@ from fairseq.distributed import utils as distributed_utils
 from omegaconf import open_dict
 
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
-from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 
 
 def _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs):
     dt = cfg.distributed_training
     saved = (dt.distributed_world_size, dt.distributed_rank, cfg.common_eval.results_path)
-    quiet = groups.get_tensor_parallel_rank() > 0
+    parallel = current_parallel_context()
+    quiet = parallel.tensor_rank > 0
     with open_dict(cfg):
-        dt.distributed_world_size = groups.get_data_parallel_world_size()
-        dt.distributed_rank = groups.get_data_parallel_rank()
+        dt.distributed_world_size = parallel.data_size
+        dt.distributed_rank = parallel.data_rank
         if quiet:
             cfg.common_eval.results_path = None
     try:

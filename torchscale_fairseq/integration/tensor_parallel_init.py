@@ -1,18 +1,24 @@
-"""``--model-parallel-size N`` on stock fairseq, with our tensor parallelism.
+"""``--model-parallel-size N`` on stock fairseq, with our tensor parallelism; the edge where
+the run's parallel context is built.
 
 Stock ``distributed_utils.distributed_init`` imports the Megatron submodule when
-``cfg.common.model_parallel_size > 1``. Ours runs it with the size hidden, then creates
-our groups (:func:`~torchscale_fairseq.model_parallel.process_groups.initialize_model_parallel`),
-seeds the per-rank RNG stream and sets the checkpoint suffix ``-model_part-{tp_rank}``
-(one checkpoint part per tensor-parallel rank). Without a GPU it uses gloo instead of
-the default NCCL, and ``--bf16`` without ``torch_xla`` is not a TPU run (:mod:`.bf16_device`).
+``cfg.common.model_parallel_size > 1``. Ours runs it with the size hidden, then, at every
+size, builds the run's groups once
+(:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`: tensor,
+data, pipeline (size 1 for now) and the expert groups of the model's MoE flags) and makes
+them the current context; under tensor parallelism it also seeds the per-rank RNG stream and
+sets the checkpoint suffix ``-model_part-{tp_rank}`` (one checkpoint part per tensor-parallel
+rank). Without a GPU it uses gloo instead of the default NCCL, and ``--bf16`` without
+``torch_xla`` is not a TPU run (:mod:`.bf16_device`).
 """
 
 from __future__ import annotations
 
 from argparse import Namespace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from omegaconf import open_dict
@@ -20,14 +26,23 @@ from omegaconf import open_dict
 from torchscale_fairseq.checkpoints.layout import checkpoint_suffix
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
-from torchscale_fairseq.model_parallel import process_groups as groups
+from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context, set_parallel_context
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
+from torchscale_fairseq.modules.moe.config import moe_config_from_args
 
 STOCK_DISTRIBUTED_INIT = distributed_utils.distributed_init
 
 
+def expert_configurations(model_cfg: Any) -> list[tuple[int, int]]:
+    """The ``(--moe-expert-count, --moe-expert-parallel-size)`` the model will ask its context for:
+    none for a dense model, or where the model's flags come later, from the checkpoint (the
+    evaluation tools; there, on one data-parallel rank, every expert is local and needs no group)."""
+    moe = moe_config_from_args(model_cfg) if model_cfg is not None else None
+    return [] if moe is None else [(moe.expert_count, moe.expert_parallel_size)]
+
+
 def distributed_init(cfg) -> int:
-    """fairseq's ``distributed_init`` plus our tensor-parallel groups for ``N > 1``."""
+    """fairseq's ``distributed_init`` plus the run's parallel context (module docstring)."""
     if isinstance(cfg, Namespace):
         cfg = convert_namespace_to_omegaconf(cfg)
     bf16_without_tpu(cfg)
@@ -36,19 +51,21 @@ def distributed_init(cfg) -> int:
         with open_dict(cfg):
             dt.distributed_backend = "gloo"
     tp_size = cfg.common.model_parallel_size
-    if tp_size <= 1:
-        return STOCK_DISTRIBUTED_INIT(cfg)
     with open_dict(cfg):
         cfg.common.model_parallel_size = 1
         try:
             rank = STOCK_DISTRIBUTED_INIT(cfg)
         finally:
             cfg.common.model_parallel_size = tp_size
-    groups.initialize_model_parallel(tp_size)
-    model_parallel_seed(cfg.common.seed, groups.get_tensor_parallel_rank(), tp_size)
-    with open_dict(cfg):  # named by the one checkpoint layout (generate / eval-lm read this suffix)
-        cfg.checkpoint.checkpoint_suffix = checkpoint_suffix(
-            groups.get_tensor_parallel_rank(), tp_size, 0, 1, cfg.checkpoint.checkpoint_suffix or "")
+    if not dist.is_initialized():  # a TPU run: torch_xla's own groups
+        return rank
+    context = build_parallel_context(max(tp_size, 1), experts=expert_configurations(getattr(cfg, "model", None)))
+    set_parallel_context(context)
+    if tp_size > 1:
+        model_parallel_seed(cfg.common.seed, context.tensor_rank, tp_size)
+        with open_dict(cfg):  # named by the one checkpoint layout (generate / eval-lm read this suffix)
+            cfg.checkpoint.checkpoint_suffix = checkpoint_suffix(
+                context.tensor_rank, tp_size, 0, 1, cfg.checkpoint.checkpoint_suffix or "")
     return rank
 
 

@@ -38,7 +38,6 @@ import os
 from typing import Any
 
 import torch
-from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
@@ -59,9 +58,9 @@ from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
-from torchscale_fairseq.model_parallel import process_groups as groups
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
@@ -111,11 +110,11 @@ class TsTrainer(Trainer):
     """fairseq's ``Trainer`` with the changes listed in the module docstring."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
-        if cfg.common.model_parallel_size > 1 and not groups.model_parallel_is_initialized():
+        self.parallel = current_parallel_context()  # the groups distributed_init built
+        if cfg.common.model_parallel_size > 1 and self.parallel.tensor_size != cfg.common.model_parallel_size:
             raise multi_process_error(cfg.common.model_parallel_size)
         check_foreign_flags(cfg.optimizer)
-        check_zero_sharding(cfg, 1 if cfg.distributed_training.distributed_world_size == 1
-                            else groups.get_data_parallel_world_size())
+        check_zero_sharding(cfg, self.data_parallel_world_size)
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
@@ -125,21 +124,15 @@ class TsTrainer(Trainer):
 
     @property
     def data_parallel_world_size(self) -> int:
-        if self.cfg.distributed_training.distributed_world_size == 1:
-            return 1
-        return groups.get_data_parallel_world_size()
+        return self.parallel.data_size
 
     @property
     def data_parallel_process_group(self):
-        if groups.model_parallel_is_initialized():
-            return groups.get_data_parallel_group()
-        return distributed_utils.get_data_parallel_group()
+        return self.parallel.data_group
 
     @property
     def data_parallel_rank(self) -> int:
-        if self.cfg.distributed_training.distributed_world_size == 1:
-            return 0
-        return groups.get_data_parallel_rank()
+        return self.parallel.data_rank
 
     @property
     def model(self):
@@ -192,7 +185,7 @@ class TsTrainer(Trainer):
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         # fairseq calls this once per update, after the data-parallel all-reduce
-        sum_sequence_parallel_grads(self._model, groups.get_tensor_parallel_group())
+        sum_sequence_parallel_grads(self._model, self.parallel.tensor_group)
         factor = _pending_factor(self.optimizer)
         try:
             norm = super().clip_grad_norm(clip_norm)
@@ -273,15 +266,14 @@ class TsTrainer(Trainer):
     def checkpoint_suffix(self) -> str:
         base = split_suffix(super().checkpoint_suffix)[0]  # without the part distributed_init appended
         ep_size, ep_rank = self.expert_parallel_size_and_rank
-        return checkpoint_suffix(groups.get_tensor_parallel_rank(), groups.get_tensor_parallel_world_size(),
-                                 ep_rank, ep_size, base)
+        return checkpoint_suffix(self.parallel.tensor_rank, self.parallel.tensor_size, ep_rank, ep_size, base)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         ep_size, ep_rank = self.expert_parallel_size_and_rank
         state["extra_state"][RECORD_KEY] = describe(
-            self.get_model(), groups.get_tensor_parallel_world_size(), groups.get_tensor_parallel_rank(),
-            ep_size, ep_rank, get_rng_tracker().state_dict())
+            self.get_model(), self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
+            get_rng_tracker().state_dict())
         return state
 
     def save_checkpoint(self, filename: str, extra_state: dict):
@@ -332,15 +324,15 @@ class TsTrainer(Trainer):
 
     def load_checkpoint(self, filename, *args, **kwargs):
         self._check_saved_layout(filename)
-        if self.is_expert_sharded or groups.get_tensor_parallel_world_size() > 1:
+        if self.is_expert_sharded or self.parallel.tensor_size > 1:
             # every rank reads its own shard / part (no broadcast from data-parallel rank 0)
             with open_dict(self.cfg):
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
         extra_state = super().load_checkpoint(filename, *args, **kwargs)
-        if self.is_expert_sharded or groups.get_tensor_parallel_world_size() > 1:
+        if self.is_expert_sharded or self.parallel.tensor_size > 1:
             self._check_ranks_resume_together(filename)
         saved = (extra_state or {}).get(RECORD_KEY) or {}
-        if saved.get("size") == groups.get_tensor_parallel_world_size() and saved.get("rng"):
+        if saved.get("size") == self.parallel.tensor_size and saved.get("rng"):
             get_rng_tracker().load_state_dict(saved["rng"])
         return extra_state
 

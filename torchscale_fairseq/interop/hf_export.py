@@ -55,6 +55,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.models.config import validate_common
 from torchscale_fairseq.models.lm import TsLanguageModel, check_adaptive, parse_cutoffs
 from torchscale_fairseq.models.mlm import TsMaskedLMModel
@@ -429,7 +430,7 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
     kind, args = model_args(state)
     if fmt == "gpt2" and kind != "lm":
         raise TsConfigError(f"--format gpt2 exports ts_lm language models only: export a {ARCHS[kind]} with --format ts")
-    cfg = StackConfig.from_args(args, *STACKS[kind][1:])
+    cfg = StackConfig.from_args(args, *STACKS[kind][1:], ParallelContext.single_process())
     weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     _check_experts(weights, cfg)
     vocab = vocab_size(weights, kind)
@@ -452,7 +453,7 @@ def export_hf(checkpoint: str, out_dir: str, fmt: str = "ts", dict_path: str | N
         tensors = ts_tensors(weights, args, kind)
         config = ts_config(cfg, vocab, True, specials, {"mask_token_id": mask}, kind)
     elif kind == "mt":
-        encoder = StackConfig.from_args(args, *ENCODER_STACK)
+        encoder = StackConfig.from_args(args, *ENCODER_STACK, ParallelContext.single_process())
         extra = {"encoder_stack": stack_options(encoder, weights["encoder.embed.embed_tokens.weight"].size(0)),
                  "share_all_embeddings": bool(getattr(args, "share_all_embeddings", False)),
                  "decoder_start_token_id": eos}

@@ -11,6 +11,7 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.decoder import TransformerDecoder
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsLanguageModelConfig, check_positions, validate_common
 from torchscale_fairseq.modules.device_init import build_on_cpu
@@ -104,7 +105,7 @@ class TsLanguageModel(FairseqLanguageModel):
         if getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = args.tokens_per_sample
         check_positions(args.tokens_per_sample, args.max_target_positions, "--tokens-per-sample", "--max-target-positions")
-        cfg = StackConfig.from_args(args, "decoder", "decoder_only")
+        cfg = StackConfig.from_args(args, "decoder", "decoder_only", current_parallel_context())
         dictionary = task.target_dictionary
         vocab = len(dictionary)
         softmax_cutoffs = parse_cutoffs(args.adaptive_softmax_cutoff, vocab, "--adaptive-softmax-cutoff")

@@ -15,6 +15,7 @@ from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import parallel_logits
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
@@ -66,7 +67,7 @@ class TsMaskedLMModel(FairseqEncoderModel):
     def build_model(cls, args, task):
         validate_common(args)
         check_positions(getattr(args, "tokens_per_sample", None), args.max_positions, "--tokens-per-sample", "--max-positions")
-        cfg = StackConfig.from_args(args, "encoder", "encoder_only")
+        cfg = StackConfig.from_args(args, "encoder", "encoder_only", current_parallel_context())
         return cls(MaskedLMEncoder(cfg, task.source_dictionary))
 
     def forward(self, src_tokens, src_lengths=None, **kwargs):

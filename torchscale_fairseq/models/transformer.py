@@ -9,6 +9,7 @@ from torchscale_fairseq.architecture.decoder import TransformerDecoder
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsTransformerConfig, validate_common
 from torchscale_fairseq.modules.moe.layer import check_generation
@@ -20,8 +21,9 @@ class TsTransformerModel(FairseqEncoderDecoderModel):
     def build_model(cls, args, task):
         validate_common(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-        enc_cfg = StackConfig.from_args(args, "encoder", "encdec_encoder")
-        dec_cfg = StackConfig.from_args(args, "decoder", "encdec_decoder")
+        parallel = current_parallel_context()
+        enc_cfg = StackConfig.from_args(args, "encoder", "encdec_encoder", parallel)
+        dec_cfg = StackConfig.from_args(args, "decoder", "encdec_decoder", parallel)
         enc_embed = build_token_embedding(len(src_dict), enc_cfg.embed_dim, src_dict.pad(), enc_cfg.tp_group)
         if getattr(args, "share_all_embeddings", False):
             if src_dict != tgt_dict:

@@ -44,7 +44,7 @@ from fairseq.optim import (
 from omegaconf import OmegaConf, open_dict
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.process_groups import get_tensor_parallel_group
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.optim.grad_norm import GradNorm, norm_and_clip_
 
 NAME = "sparse_clip"
@@ -202,6 +202,6 @@ class SparseClip(FairseqOptimizer):
         if not params:
             self.last_norm = None
             return torch.tensor(0.0)
-        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, get_tensor_parallel_group(),
+        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, current_parallel_context().tensor_group,
                                                aggregate_norm_fn)
         return total

@@ -15,7 +15,7 @@ from torchscale_fairseq.data.lm_stream import LMBlockStream, check_documents_per
 from torchscale_fairseq.data.stream_index import Corpus, load_index
 from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel import process_groups
+from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 
 
 def batches_per_epoch_field():
@@ -72,7 +72,8 @@ class StreamingTask:
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, num_workers=0, epoch=1, **kwargs):
         """The resumable stream iterator for training, fairseq's own for held-out splits."""
-        dp_rank, dp_size = process_groups.get_data_parallel_rank(), process_groups.get_data_parallel_world_size()
+        parallel = current_parallel_context()
+        dp_rank, dp_size = parallel.data_rank, parallel.data_size
         if not isinstance(dataset, StreamSource):
             # every held-out block once: fairseq would drop a remainder that is not a multiple of 8
             kwargs.update(num_shards=dp_size, shard_id=dp_rank, required_batch_size_multiple=1)
@@ -92,6 +93,6 @@ class StreamingTask:
             raise TsConfigError(f"--batches-per-epoch must be positive, got {opts.batches_per_epoch}")
         check_documents_per_reader(dataset.corpora, dp_size * max(1, num_workers))
         stream = self.training_stream(dataset.corpora, batch_size, dp_rank, dp_size, max(1, num_workers))
-        itr = StreamEpochBatchIterator(stream, num_workers, opts.batches_per_epoch, epoch)
+        itr = StreamEpochBatchIterator(stream, num_workers, opts.batches_per_epoch, epoch, parallel.data_group)
         self.dataset_to_epoch_iter[dataset] = itr
         return itr

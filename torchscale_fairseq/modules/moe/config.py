@@ -23,7 +23,7 @@ class MoEConfig:
     expert_ffn_dim: int = 0  # 0: the dense FFN's width
     shared_expert_count: int = 0
     router_bias_update_rate: float = 0.0
-    expert_parallel_size: int = 0  # 0: the default layout of .groups
+    expert_parallel_size: int = 0  # 0: the default layout of model_parallel.expert_parallel
     router: str = "xmoe"
     router_dim: int = 16
     gate_noise: float = 0.0

@@ -2,7 +2,9 @@
 stack (paper: every second layer), ``None`` (the dense default) elsewhere. Under tensor
 parallelism its experts are split over the stack's ``tp_group`` (``--moe-expert-tensor-parallel
 split``, the default) or whole on every tensor-parallel rank (``replicate``); under
-``--sequence-parallel`` it gathers the sequence over ``tp_group`` (see :class:`MoELayer`)."""
+``--sequence-parallel`` it gathers the sequence over ``tp_group`` (see :class:`MoELayer`). Where
+its experts live (the expert-parallel groups) is looked up in the stack's parallel context,
+which created them: building a model creates no process group."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from typing import Any
 
 from torch import nn
 
-from torchscale_fairseq.modules.moe.groups import get_expert_parallel
 from torchscale_fairseq.modules.moe.layer import MoELayer
 
 
@@ -20,6 +21,6 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
     if moe is None or not moe.is_moe_layer(index):
         return None
     tp_group = cfg.tp_group if moe.expert_tensor_parallel == "split" else None
-    parallel = get_expert_parallel(moe.expert_count, moe.expert_parallel_size)
+    parallel = cfg.parallel.expert_parallel(moe.expert_count, moe.expert_parallel_size)
     return MoELayer(moe, cfg.ffn_spec(), tag=tag, parallel=parallel, tp_group=tp_group,
                     sequence_group=cfg.tp_group if getattr(cfg, "sequence_parallel", False) else None)

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.expert_parallel import ExpertParallel
 from torchscale_fairseq.model_parallel.layers import TensorParallelGroup
 from torchscale_fairseq.model_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -77,7 +78,6 @@ from torchscale_fairseq.modules.moe.gating import (
     expert_choice_routing,
     top_k_routing,
 )
-from torchscale_fairseq.modules.moe.groups import ExpertParallel
 from torchscale_fairseq.modules.moe.routers import build_router
 
 EXPERT_CHOICE_DECODING = (
@@ -135,7 +135,7 @@ class RecomputeMemo:
 
 class MoELayer(nn.Module):
     """``parallel``: where the experts live (given by the model builder from
-    :func:`~torchscale_fairseq.modules.moe.groups.get_expert_parallel`); ``None``: all local.
+    :meth:`~torchscale_fairseq.model_parallel.parallel_context.ParallelContext.expert_parallel`); ``None``: all local.
     ``tp_group``: the tensor-parallel group every expert is split over (``None``: whole
     experts, replicated on the tensor-parallel ranks); the router is replicated either way.
     ``sequence_group``: the group the input's sequence is split over in training

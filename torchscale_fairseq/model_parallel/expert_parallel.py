@@ -11,6 +11,10 @@ replicas of the same experts (the replica group, over which their gradients are 
 data-parallel size: ``A`` must divide ``W`` and ``E``), or by default:
 - ``E`` a multiple of ``W``: ``A = W``, no replicas;
 - ``W`` a multiple of ``E``: ``A = E``, one expert per rank.
+
+The groups are created once, with the other groups of the run, by
+:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`; the model
+builder only looks its layout up in the context.
 """
 
 from __future__ import annotations
@@ -20,15 +24,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.process_groups import (
-    get_data_parallel_group,
-    get_tensor_parallel_world_size,
-    tensor_parallel_groups_layout,
-)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExpertParallel:
+    """Where one MoE configuration's experts live on this rank (``group``: the all-to-all group,
+    ``None`` when every expert is local)."""
+
     num_experts: int
     local_experts: int
     first_expert: int
@@ -37,10 +39,6 @@ class ExpertParallel:
     group: object | None = None
     replica_group: object | None = None
     data_parallel_group: object | None = None
-    data_parallel_size: int = 1
-
-
-_CACHE: dict[tuple[int, int], ExpertParallel] = {}
 
 
 def expert_layout(world: int, num_experts: int, expert_parallel_size: int = 0) -> tuple[int, int]:
@@ -68,45 +66,32 @@ def expert_layout(world: int, num_experts: int, expert_parallel_size: int = 0) -
     )
 
 
-def _data_parallel_layout() -> list[list[int]]:
-    world = dist.get_world_size()
-    return tensor_parallel_groups_layout(world, get_tensor_parallel_world_size())[1]
+def all_local(num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
+    """The layout on one data-parallel rank: every expert local, no group (the flag still checked)."""
+    expert_layout(1, num_experts, expert_parallel_size)
+    return ExpertParallel(num_experts, num_experts, 0)
 
 
-def get_expert_parallel(num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
-    """The layout for ``num_experts`` (groups are created once, by every rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        expert_layout(1, num_experts, expert_parallel_size)  # the flag's checks
-        return ExpertParallel(num_experts, num_experts, 0)
-    key = (num_experts, expert_parallel_size)
-    if key in _CACHE:
-        return _CACHE[key]
-    me = dist.get_rank()
-    dp_layout = _data_parallel_layout()
-    size = len(dp_layout[0])
+def build_expert_parallel(data_layout: list[list[int]], rank: int, data_group: object | None, num_experts: int,
+                          expert_parallel_size: int = 0) -> ExpertParallel:
+    """This rank's layout for ``num_experts``, creating the all-to-all and replica groups of every
+    data-parallel group in ``data_layout`` (a collective: every rank calls it with the same
+    arguments, ``data_group`` its own data-parallel group)."""
+    size = len(data_layout[0])
     a2a_size, local = expert_layout(size, num_experts, expert_parallel_size)
     result = None
-    for dp_ranks in dp_layout:
+    for dp_ranks in data_layout:
         blocks = [dp_ranks[i: i + a2a_size] for i in range(0, size, a2a_size)]
         a2a_groups = [dist.new_group(b) if len(blocks) > 1 else None for b in blocks]
         replica_sets = [dp_ranks[j::a2a_size] for j in range(a2a_size)]
         replica_groups = [dist.new_group(r) if len(r) > 1 else None for r in replica_sets]
-        if me not in dp_ranks:
+        if rank not in dp_ranks:
             continue
-        pos = dp_ranks.index(me)
-        block = pos // a2a_size
-        a2a_rank = pos % a2a_size
-        dp_group = get_data_parallel_group() or dist.group.WORLD
-        a2a_group = a2a_groups[block] if len(blocks) > 1 else dp_group
+        pos = dp_ranks.index(rank)
+        block, a2a_rank = divmod(pos, a2a_size)
+        a2a_group = a2a_groups[block] if len(blocks) > 1 else data_group
         result = ExpertParallel(
             num_experts, local, a2a_rank * local, a2a_size, a2a_rank,
-            a2a_group if a2a_size > 1 else None, replica_groups[a2a_rank], dp_group, size,
+            a2a_group if a2a_size > 1 else None, replica_groups[a2a_rank], data_group,
         )
-    _CACHE[key] = result
     return result
-
-
-def destroy_expert_parallel() -> None:
-    """Forget the cached layouts and their groups (as
-    :func:`~torchscale_fairseq.model_parallel.process_groups.destroy_model_parallel`)."""
-    _CACHE.clear()
