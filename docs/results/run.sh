@@ -142,7 +142,8 @@ stability_report() {  # the outcome table, lr_max against depth, and the validat
   python docs/results/stability.py "$RUNS"/stab_*_s[0-9]*/ --unigram "$STAB_UNIGRAM_PPL" \
     --plot "$out/lr_max.png" | tee "$out/table.md"
   for layers in $STAB_DEPTHS; do
-    for lr in $STAB_LRS; do
+    for lr in $STAB_LRS; do  # (a search runs only part of the grid)
+      compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
       python docs/results/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
         --metric valid_ppl --title "valid ppl, $layers layers, lr $lr, 3 seeds (mean, min-max band)" >/dev/null
     done
