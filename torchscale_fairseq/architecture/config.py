@@ -2,7 +2,9 @@
 handed to every module of the stack (nanoGPT's config object). ``parallel`` is the run's
 :class:`~torchscale_fairseq.model_parallel.parallel_context.ParallelContext`, given by the model
 builder: ``tp_group``, the tensor-parallel group the layers split over (``None``: no tensor
-parallelism), and the MoE layers' expert layouts come from it."""
+parallelism), and the MoE layers' expert layouts come from it. ``pipeline`` is this rank's
+part of the layer stack (:class:`~torchscale_fairseq.model_parallel.pipeline_parallel.PipelineSplit`;
+``None``: the whole stack)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
+from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit, parse_layer_counts
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
 from torchscale_fairseq.modules.feedforward import FFNSpec, check_activation
 from torchscale_fairseq.modules.moe.config import moe_config_from_args
@@ -61,11 +64,17 @@ class StackConfig:
     moe: Any = None
     parallel: ParallelContext = field(default_factory=ParallelContext.single_process)
     sequence_parallel: bool = False
+    pipeline: PipelineSplit | None = None
 
     @property
     def tp_group(self) -> Any:
         """The tensor-parallel group of :attr:`parallel` (``None``: a group of one)."""
         return self.parallel.tensor_group
+
+    @property
+    def split(self) -> PipelineSplit:
+        """This rank's chunks of the layer stack (the whole stack as one chunk without a pipeline)."""
+        return self.pipeline if self.pipeline is not None else PipelineSplit.whole(self.layers)
 
     def ffn_spec(self) -> FFNSpec:
         """The dense FFN of this stack's layers (an MoE layer's experts derive theirs from it)."""
@@ -115,6 +124,7 @@ class StackConfig:
             moe=moe_config_from_args(args),
             parallel=parallel,
             sequence_parallel=sequence_parallel_from_args(args, parallel.tensor_size),
+            pipeline=pipeline_split_from_args(args, getattr(args, f"{side}_layers"), parallel),
         )
 
 
@@ -129,3 +139,31 @@ def sequence_parallel_from_args(args: Any, tensor_size: int) -> bool:
             "(drop the flag or raise --model-parallel-size)"
         )
     return True
+
+
+def pipeline_split_from_args(args: Any, layers: int, parallel: ParallelContext) -> PipelineSplit | None:
+    """This rank's part of the stack under ``--pipeline-model-parallel-size`` (``None``: no pipeline),
+    refused in one line where it cannot work."""
+    size = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    chunks = getattr(args, "virtual_pipeline_stages", 1) or 1
+    layers_flag = getattr(args, "pipeline_layers", None)
+    if size == 1 and chunks == 1 and not layers_flag:
+        return None
+    if size == 1:
+        flag = f"--virtual-pipeline-stages {chunks}" if chunks > 1 else f"--pipeline-layers {layers_flag}"
+        raise TsConfigError(
+            f"{flag} splits the layers of a pipeline: it needs --pipeline-model-parallel-size > 1 (drop the flag or "
+            "raise the pipeline size)"
+        )
+    if parallel.pipeline_size != size:
+        raise TsConfigError(
+            f"--pipeline-model-parallel-size {size} needs a multi-process run of at least {size} ranks (this one has "
+            f"{parallel.world_size}): launch them with torchrun or --distributed-world-size"
+        )
+    if getattr(args, "rel_pos_buckets", 0) > 0:
+        raise TsConfigError(
+            "--rel-pos-buckets is not pipeline-parallel yet (one bias table serves every layer, on every stage): "
+            "use --xpos or learned positions, or --pipeline-model-parallel-size 1"
+        )
+    counts = parse_layer_counts(layers_flag)
+    return PipelineSplit.for_rank(layers, size, parallel.pipeline_rank, chunks, counts)

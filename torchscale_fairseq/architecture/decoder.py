@@ -1,8 +1,13 @@
 """Transformer decoder (causal), with optional cross-attention, a per-module KV cache for
 incremental decoding and a vocabulary-parallel output layer, or an adaptive softmax
-(Grave et al. 2017) that the criterion and ``get_normalized_probs`` apply to the features. Its
-extra output carries the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux` under
-``"moe"`` (the encoder's first, then its own)."""
+(Grave et al. 2017) that the criterion and ``get_normalized_probs`` apply to the features.
+Its extra output carries the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux`
+under ``"moe"`` (the encoder's first, then its own).
+
+Under pipeline parallelism a rank holds its stages' layers (``cfg.split``), the first stage the
+embedding, the last the final LayerNorm and output layer (and, with tied embeddings, a copy of
+the embedding); :meth:`TransformerDecoder.set_pipeline_input` says which chunk the next forward
+runs and on which hidden states."""
 
 from __future__ import annotations
 
@@ -16,7 +21,11 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
-from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
+from torchscale_fairseq.model_parallel.attributes import (
+    mark_pipeline_tied,
+    mark_sequence_parallel,
+    mark_vocab_padded,
+)
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
 from torchscale_fairseq.model_parallel.process_groups import group_size
@@ -35,14 +44,23 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         ``forward`` then returns the final features, as fairseq's ``TransformerDecoder`` does."""
         super().__init__(dictionary)
         self.cfg = cfg
+        self.split = cfg.split
         self.padding_idx = dictionary.pad()
         self.vocab_size = len(dictionary)
-        self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        self.layers = nn.ModuleList([
-            wrap_layer(TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")), cfg)
-            for i in range(cfg.layers)
-        ])
-        self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        # a pipeline stage builds every module and keeps its own: each parameter then gets the
+        # value one process gives it (one RNG stream); memory holds one other layer at most
+        embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
+        self.embed = embed if self.split.holds_first_stage else None
+        layers = []
+        for i in range(cfg.layers):
+            layer = wrap_layer(TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")),
+                               cfg)
+            if self.split.holds_layer(i):
+                layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        last = self.split.holds_last_stage
+        self.layer_norm = (nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+                           if cfg.backbone.normalize_before and last else None)
         if cfg.sequence_parallel and self.layer_norm is not None:
             mark_sequence_parallel(self.layer_norm.parameters())
         self.rel_pos = (
@@ -52,17 +70,37 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.adaptive_softmax = adaptive_softmax
         self.output_projection = None
         if adaptive_softmax is None and not cfg.share_input_output_embed:
-            self.output_projection = ColumnParallelLinear(
+            projection = ColumnParallelLinear(
                 cfg.embed_dim, embed_tokens.padded_num_embeddings, bias=False,
                 init_method=real_rows_normal_init(self.vocab_size, cfg.embed_dim**-0.5), what="vocabulary size",
                 tp_group=cfg.tp_group,
             )
-            mark_vocab_padded(self.output_projection.weight, self.vocab_size)
+            mark_vocab_padded(projection.weight, self.vocab_size)
+            self.output_projection = projection if last else None
+        # the last stage's copy of a tied embedding (a pipeline whose first stage is elsewhere)
+        self.tied_output = None
+        if cfg.share_input_output_embed and self.split.stages > 1 and (self.split.holds_first_stage or last):
+            mark_pipeline_tied(embed_tokens.weight, "original" if self.split.holds_first_stage else "copy")
+            if not self.split.holds_first_stage:
+                self.tied_output = embed_tokens
+        starts = [0]
+        for layer_range in self.split.chunk_layers:
+            starts.append(starts[-1] + len(layer_range))
+        self._chunk_layers = [slice(a, b) for a, b in zip(starts, starts[1:])]
+        self._pipeline_chunk = 0
+        self._pipeline_input: Optional[torch.Tensor] = None
+
+    def set_pipeline_input(self, chunk: int, hidden: Optional[torch.Tensor]) -> None:
+        """The next forward runs chunk ``chunk`` of this rank (Megatron-LM's ``set_input_tensor``)
+        on ``hidden``, the previous stage's output (``None`` on the first stage: the embedding)."""
+        self._pipeline_chunk, self._pipeline_input = chunk, hidden
 
     @property
     def output_weight(self) -> torch.Tensor:
         if self.output_projection is not None:
             return self.output_projection.weight
+        if self.tied_output is not None:
+            return self.tied_output.weight
         return self.embed.embed_tokens.weight
 
     def forward(
@@ -75,7 +113,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens)
-        if not features_only:
+        if not features_only and self.split.is_last(self._pipeline_chunk):
             x = self.output_layer(x)
         return x, extra
 
@@ -93,7 +131,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         split = is_split(self.cfg, self.training)
         if split:
             prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
-        x = self.embed(prev_output_tokens, last_only=incremental)
+        chunk, hidden = self._pipeline_chunk, self._pipeline_input
+        self._pipeline_input = None
+        x = self.embed(prev_output_tokens, last_only=incremental) if self.split.is_first(chunk) else hidden
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None
@@ -117,7 +157,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             memory_mask = mask if mask is not None and bool(mask.any()) else None
         states = [x] if return_all_hiddens else []
         moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
-        for layer in self.layers:
+        for layer in self.layers[self._chunk_layers[chunk]]:
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
@@ -126,10 +166,11 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 moe.append(aux)
             if return_all_hiddens:
                 states.append(x)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        if split:
-            x = gather_sequence(x, self.cfg, length)
+        if self.split.is_last(chunk):
+            if self.layer_norm is not None:
+                x = self.layer_norm(x)
+            if split:
+                x = gather_sequence(x, self.cfg, length)
         return x, {"attn": [None], "inner_states": states, "moe": moe}
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:

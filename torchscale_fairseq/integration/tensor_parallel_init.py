@@ -5,7 +5,8 @@ Stock ``distributed_utils.distributed_init`` imports the Megatron submodule when
 ``cfg.common.model_parallel_size > 1``. Ours runs it with the size hidden, then, at every
 size, builds the run's groups once
 (:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`: tensor,
-data, pipeline (size 1 for now) and the expert groups of the model's MoE flags) and makes
+data, pipeline (``--pipeline-model-parallel-size``) and the expert groups of the model's MoE
+flags) and makes
 them the current context; under tensor parallelism it also seeds the per-rank RNG stream and
 sets the checkpoint suffix ``-model_part-{tp_rank}`` (one checkpoint part per tensor-parallel
 rank). Without a GPU it uses gloo instead of the default NCCL, and ``--bf16`` without
@@ -59,7 +60,9 @@ def distributed_init(cfg) -> int:
             cfg.common.model_parallel_size = tp_size
     if not dist.is_initialized():  # a TPU run: torch_xla's own groups
         return rank
-    context = build_parallel_context(max(tp_size, 1), experts=expert_configurations(getattr(cfg, "model", None)))
+    model_cfg = getattr(cfg, "model", None)
+    pipeline_size = (getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1) if model_cfg is not None else 1
+    context = build_parallel_context(max(tp_size, 1), pipeline_size, experts=expert_configurations(model_cfg))
     set_parallel_context(context)
     if tp_size > 1:
         model_parallel_seed(cfg.common.seed, context.tensor_rank, tp_size)

@@ -25,6 +25,9 @@
   a skipped update moves none;
 - ``--zero-sharding os`` shards the optimizer state over the data-parallel group
   (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
+- ``--pipeline-model-parallel-size``: each update's micro-batches run through the stages in the
+  schedule's order, as the task's steps (:mod:`.pipeline_step`); each stage draws its own
+  dropout masks (its seed offset by the pipeline rank, as Megatron-LM's);
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part; every checkpoint records the tensor-parallel layout and the
@@ -33,11 +36,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from fairseq import utils
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
@@ -57,6 +63,7 @@ from torchscale_fairseq.criterions.balance_check import check_balance_loss_crite
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
+from torchscale_fairseq.integration.pipeline_step import ScheduledTask, check_pipeline_run, run_pipeline_schedule
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
@@ -72,6 +79,7 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 logger = logging.getLogger(__name__)
 
 EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
+PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
 
 
 class SkippedUpdate(Exception):
@@ -117,6 +125,8 @@ class TsTrainer(Trainer):
         check_zero_sharding(cfg, self.data_parallel_world_size)
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
+        if self.parallel.pipeline_size > 1:
+            check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
         self.skipped_in_a_row = 0
 
@@ -205,11 +215,35 @@ class TsTrainer(Trainer):
         metrics.log_scalar("gnorm_dense", sparse.last_norm.dense * factor, priority=710, round=3)
         metrics.log_scalar("gnorm_expert", sparse.last_norm.expert * factor, priority=720, round=3)
 
+    # pipeline parallelism -------------------------------------------------------------
+
+    def _set_seed(self) -> None:
+        seed = self.cfg.common.seed + self.get_num_updates() + PIPELINE_SEED_STRIDE * self.parallel.pipeline_rank
+        utils.set_torch_seed(seed)
+
+    @contextlib.contextmanager
+    def _scheduled(self, samples: list[Any], training: bool) -> Iterator[None]:
+        """Under a pipeline, fairseq's step reads the micro-batches' results from the schedule
+        (:class:`~torchscale_fairseq.integration.pipeline_step.ScheduledTask`)."""
+        if self.parallel.pipeline_size == 1:
+            yield
+            return
+        task = self.task
+        self.task = ScheduledTask(task, lambda: run_pipeline_schedule(self, samples, training))
+        try:
+            yield
+        finally:
+            self.task = task
+
+    def valid_step(self, sample, raise_oom: bool = False):
+        with self._scheduled([sample], training=False):
+            return super().valid_step(sample, raise_oom)
+
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
         updates = self.get_num_updates()
         try:
-            with cpu_autocast(self.cfg.common.amp, self.device):
+            with cpu_autocast(self.cfg.common.amp, self.device), self._scheduled(samples, training=True):
                 logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
             discard_expert_loads(self._model)

@@ -10,7 +10,10 @@ and copy them.
 - expert parallelism: ``expert`` (ranks hold different experts under the same name),
   ``expert_group`` (the ranks holding the *other* experts, for the gradient norm) and
   ``expert_replica_group`` (the ranks holding a copy of the *same* experts, for gradient
-  averaging).
+  averaging);
+- pipeline parallelism: ``pipeline_tied`` (``"original"``: the first stage's input embedding,
+  ``"copy"``: the last stage's copy of it, the tied output layer; their gradients are summed
+  over the embedding group, and the gradient norm counts the original only).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ SEQUENCE_PARALLEL = "sequence_parallel"
 EXPERT = "expert"
 EXPERT_GROUP = "expert_group"
 EXPERT_REPLICA_GROUP = "expert_replica_group"
+PIPELINE_TIED = "pipeline_tied"
 
 PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     TP_DIM: None,
@@ -36,6 +40,7 @@ PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     EXPERT: False,
     EXPERT_GROUP: None,
     EXPERT_REPLICA_GROUP: None,
+    PIPELINE_TIED: None,
 }
 
 
@@ -89,3 +94,12 @@ def expert_group(param: Any) -> object | None:
 
 def expert_replica_group(param: Any) -> object | None:
     return getattr(param, EXPERT_REPLICA_GROUP, None)
+
+
+def mark_pipeline_tied(param: torch.Tensor, role: str) -> None:
+    """``role``: ``"original"`` (first stage) or ``"copy"`` (last stage)."""
+    setattr(param, PIPELINE_TIED, role)
+
+
+def pipeline_tied_role(param: Any) -> str | None:
+    return getattr(param, PIPELINE_TIED, None)

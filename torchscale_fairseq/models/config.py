@@ -9,6 +9,7 @@ from omegaconf import II
 
 from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS, checkpoint_mode
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.pipeline_schedules import SCHEDULES
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
 from torchscale_fairseq.modules.moe.config import (
@@ -155,7 +156,26 @@ class TsEncoderConfig(FairseqDataclass):
 
 
 @dataclass
-class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig):
+class TsPipelineConfig(FairseqDataclass):
+    """Pipeline parallelism (:mod:`torchscale_fairseq.model_parallel.pipeline_parallel`)."""
+
+    pipeline_model_parallel_size: int = field(default=1, metadata={
+        "help": "split the decoder layers into this many stages on as many ranks (Megatron-LM "
+                "--pipeline-model-parallel-size); the --update-freq batches are the micro-batches; with "
+                "data parallelism use --ddp-backend legacy_ddp"})
+    virtual_pipeline_stages: int = field(default=1, metadata={
+        "help": "model chunks per pipeline rank: > 1 interleaves them (interleaved 1F1B, Megatron-LM "
+                "--num-virtual-stages-per-pipeline-rank); --update-freq must be a multiple of the pipeline size"})
+    pipeline_layers: Optional[str] = field(default=None, metadata={
+        "help": "layers of each global stage, comma separated (pipeline size x virtual stages counts, e.g. 3,5); "
+                "default: an even split"})
+    pipeline_schedule: ChoiceEnum(SCHEDULES) = field(default="1f1b", metadata={
+        "help": "1f1b (PipeDream-Flush: at most pipeline-size micro-batches in flight; interleaved with "
+                "--virtual-pipeline-stages) or gpipe (every forward, then every backward)"})
+
+
+@dataclass
+class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsPipelineConfig):
     tokens_per_sample: int = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
 
@@ -175,6 +195,11 @@ class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig):
 def validate_common(args: Any) -> None:
     """Flag combinations the ts models cannot honour: one-line errors before any work."""
     check_backbone(args.backbone)
+    if getattr(args, "pipeline_model_parallel", False):
+        raise TsConfigError(
+            "fairseq's --pipeline-model-parallel (fairscale's single-process Pipe) does not run ts models: use "
+            "--pipeline-model-parallel-size N (ts_lm), one rank per stage"
+        )
     for side in ("encoder", "decoder"):
         if getattr(args, f"{side}_normalize_before", False) and args.backbone in ("deepnorm", "postln"):
             raise TsConfigError(

@@ -76,6 +76,11 @@ def check_adaptive(args: Any) -> None:
             "--adaptive-softmax-cutoff / --adaptive-input are not tensor-parallel: "
             "drop them or use --model-parallel-size 1"
         )
+    if (softmax or adaptive_input) and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise TsConfigError(
+            "--adaptive-softmax-cutoff / --adaptive-input are not pipeline-parallel: "
+            "drop them or use --pipeline-model-parallel-size 1"
+        )
     if softmax and args.share_decoder_input_output_embed:
         raise TsConfigError(
             "--share-decoder-input-output-embed ties a full softmax; with --adaptive-softmax-cutoff use "

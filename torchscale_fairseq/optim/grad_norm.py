@@ -8,6 +8,9 @@
   :mod:`torchscale_fairseq.model_parallel.attributes`), and split experts' shards
   (expert parameters with ``tensor_parallel_dim``) also over the tensor-parallel group;
   whole experts are replicated on the tensor-parallel ranks and counted once;
+- under pipeline parallelism both parts are summed over the pipeline group (each stage holds
+  other layers); the last stage's copy of the tied embedding is left out (its gradient equals
+  the first stage's after the embedding all-reduce);
 - the expert part may be down-weighted by ``kappa`` (SparseClip: ``1/sqrt(E)``):
   ``||g|| = ||(g_d, kappa * g_s)||_2``.
 
@@ -33,6 +36,7 @@ from torchscale_fairseq.model_parallel.attributes import (
     PARALLEL_ATTRIBUTE_DEFAULTS,
     expert_group,
     is_expert,
+    pipeline_tied_role,
     sharded_dim,
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
@@ -78,13 +82,15 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object] = None,
+                       pipeline_group: Optional[object] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(||g_d||^2, ||g_s||^2)`` over the whole model, every gradient counted once
-    (shards of ``tensor_parallel_dim`` parameters summed over ``tp_group``)."""
+    (shards of ``tensor_parallel_dim`` parameters summed over ``tp_group``, stages over
+    ``pipeline_group``)."""
     sharded, replicated = [], []
     experts: Dict[Tuple[Optional[object], bool], list] = {}
     for p in params:
-        if p is None or p.grad is None:
+        if p is None or p.grad is None or pipeline_tied_role(p) == "copy":
             continue
         if is_expert(p):
             experts.setdefault((expert_group(p), sharded_dim(p) is not None), []).append(p.grad)
@@ -104,22 +110,26 @@ def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object
         if split and group_size(tp_group) > 1:
             part = _all_reduce(part, tp_group)
         expert = expert + part
+    if group_size(pipeline_group) > 1:
+        dense, expert = _all_reduce(torch.stack([dense, expert.to(dense.device)]), pipeline_group).unbind()
     return dense, expert
 
 
-def grad_norm(params: Iterable[torch.Tensor], kappa: float = 1.0, tp_group: Optional[object] = None) -> GradNorm:
+def grad_norm(params: Iterable[torch.Tensor], kappa: float = 1.0, tp_group: Optional[object] = None,
+              pipeline_group: Optional[object] = None) -> GradNorm:
     """``||(g_d, kappa g_s)||_2`` with its dense and expert parts."""
-    dense_sq, expert_sq = squared_norm_parts(params, tp_group)
+    dense_sq, expert_sq = squared_norm_parts(params, tp_group, pipeline_group)
     return GradNorm(dense_sq.sqrt(), expert_sq.sqrt(), (dense_sq + kappa**2 * expert_sq).sqrt())
 
 
 def norm_and_clip_(
-    params: list[Any], max_norm: float, kappa: float = 1.0, tp_group: Optional[object] = None, aggregate_norm_fn=None
+    params: list[Any], max_norm: float, kappa: float = 1.0, tp_group: Optional[object] = None, aggregate_norm_fn=None,
+    pipeline_group: Optional[object] = None,
 ) -> Tuple[GradNorm, torch.Tensor]:
     """The norm of the gradients of ``params`` (all with a gradient; flat fp16 masters split
     into their sources) and the total, aggregated by ``aggregate_norm_fn`` if given, on the
     gradients' device; clips them when ``max_norm > 0``."""
-    norm = grad_norm(list(flat_master_views(params)), kappa, tp_group)
+    norm = grad_norm(list(flat_master_views(params)), kappa, tp_group, pipeline_group)
     total = norm.total.to(params[0].grad.device)
     if aggregate_norm_fn is not None:
         total = aggregate_norm_fn(total)

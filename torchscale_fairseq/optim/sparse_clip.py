@@ -202,6 +202,7 @@ class SparseClip(FairseqOptimizer):
         if not params:
             self.last_norm = None
             return torch.tensor(0.0)
-        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, current_parallel_context().tensor_group,
-                                               aggregate_norm_fn)
+        parallel = current_parallel_context()
+        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, parallel.tensor_group, aggregate_norm_fn,
+                                               parallel.pipeline_group)
         return total
