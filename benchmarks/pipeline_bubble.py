@@ -196,11 +196,11 @@ def main() -> None:
           f"backward {backward_s * 1e3:.1f} ms, saved {saved / 2**20:.1f} MiB per micro-batch; compute: {args.compute}\n")
     rows = []
     for world in args.stages:
-        queue = mp.get_context("fork").SimpleQueue()
+        queue = mp.get_context("spawn").SimpleQueue()
         with tempfile.TemporaryDirectory() as tmp:
             init = Path(tmp, "rendezvous").as_uri()
             mp.start_processes(rank_main, args=(world, init, args, (forward_s, backward_s, saved), queue),
-                               nprocs=world, start_method="fork")
+                               nprocs=world, start_method="spawn")  # (the parent ran autograd: no fork)
         while not queue.empty():
             rows.append(queue.get())
     print("| schedule | P | m | idle of the update (measured) | formula | stage idle, own wall (0..P-1) | "
