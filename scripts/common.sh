@@ -8,10 +8,11 @@
 # when more than one; on one node without MASTER_PORT, `torchrun --standalone` (its agent binds a
 # port the OS assigns and keeps it: concurrent jobs never collide); across nodes MASTER_PORT
 # defaults to 29500; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
-# environment (start the script with srun, one task per GPU). MP = tensor-parallel size (NPROC_PER_NODE
-# defaults to MP); at MP > 1 fairseq writes one checkpoint part per tensor-parallel rank
-# (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over data-parallel ranks),
-# and evaluation runs at the same MP (expert shards consolidated first).
+# environment (start the script with srun, one task per GPU). MP = tensor-parallel size, PP = pipeline
+# stages (LM recipes; NPROC_PER_NODE defaults to MP x PP); at MP > 1 fairseq writes one checkpoint part per
+# tensor-parallel rank (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over
+# data-parallel ranks), at PP > 1 one file per stage (NAME[-model_part-K]-stageP.pt); evaluation runs at
+# the same MP on one stage (expert shards consolidated, stages merged first).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,10 +45,13 @@ ts_int() {
 }
 
 MP="${MP:-1}"
+PP="${PP:-1}"
 ts_int MP
+ts_int PP
 [ "$MP" -ge 1 ] || die "MP=$MP: the tensor-parallel size is at least 1"
+[ "$PP" -ge 1 ] || die "PP=$PP: the pipeline size is at least 1"
 NNODES="${NNODES:-1}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-$MP}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-$((MP * PP))}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-}"
@@ -57,6 +61,7 @@ for v in NNODES NPROC_PER_NODE NODE_RANK; do ts_int "$v"; done
 WORLD=$((NNODES * NPROC_PER_NODE))
 [ "$WORLD" -ge 1 ] || die "NNODES x NPROC_PER_NODE must be at least 1"
 [ $((WORLD % MP)) = 0 ] || die "MP=$MP does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
+[ $((WORLD % (MP * PP))) = 0 ] || die "MP x PP = $((MP * PP)) does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
 
 # Device: DEVICE=cpu|cuda; default cuda when torch sees a GPU (always cpu at SCALE=tiny).
 if [ -z "${DEVICE:-}" ]; then
@@ -72,12 +77,14 @@ case "$DEVICE" in
   *) die "DEVICE=$DEVICE: choose cpu or cuda" ;;
 esac
 [ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP" --ddp-backend legacy_ddp)
+PIPELINE_ARGS=()  # training only (evaluation runs one stage)
+[ "$PP" -le 1 ] || PIPELINE_ARGS=(--pipeline-model-parallel-size "$PP" --ddp-backend legacy_ddp)
 
 # ceil(a / b)
 ts_ceil_div() { echo $((($1 + $2 - 1) / $2)); }
 
-# Data-parallel ranks (tensor-parallel ranks share one batch).
-DP_WORLD=$((WORLD / MP))
+# Data-parallel ranks (the tensor-parallel ranks and pipeline stages of one model share its batches).
+DP_WORLD=$((WORLD / (MP * PP)))
 
 # ts_launch TOOL ARGS...: run a fairseq console tool on one process, through torchrun, or under Slurm.
 ts_launch() {
@@ -108,19 +115,20 @@ ts_train() {
   say "training; log: $save/train.log"
   # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
   ts_launch fairseq-train "$@" --save-dir "$save" --log-format json --log-interval "$LOG_INTERVAL" \
-    --no-epoch-checkpoints --required-batch-size-multiple 1 "${DEVICE_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 \
+    --no-epoch-checkpoints --required-batch-size-multiple 1 "${DEVICE_ARGS[@]}" "${PIPELINE_ARGS[@]}" \
+    ${EXTRA_ARGS:-} 2>&1 \
     | tee -a "$save/train.log"
   ts_checkpoint_files "$save" checkpoint_last >/dev/null \
     || die "training wrote no checkpoint in $save; see $save/train.log"
 }
 
 # ts_checkpoint_files SAVE_DIR NAME: the files of checkpoint NAME in every layout fairseq and the
-# plugin write (NAME.pt; NAME-shardR.pt; NAME-model_part-K.pt; NAME-model_part-K-shardR.pt), one a line;
-# fails when there are none.
+# plugin write (NAME.pt; NAME-shardR.pt; NAME-stageP[-shardR].pt; NAME-model_part-K[-stageP][-shardR].pt), one
+# a line; fails when there are none.
 ts_checkpoint_files() {
   local save="$1" name="$2"
   compgen -G "$save/$name.pt" || compgen -G "$save/$name-shard[0-9]*.pt" \
-    || compgen -G "$save/$name-model_part-[0-9]*.pt"
+    || compgen -G "$save/$name-stage[0-9]*.pt" || compgen -G "$save/$name-model_part-[0-9]*.pt"
 }
 
 # ts_clip_args: optimizer flags for CLIP=sparse (SparseClip around Adam) or CLIP=vanilla (Adam).
@@ -137,8 +145,21 @@ ts_clip_args() {
 # tensor-parallel parts (fairseq opens NAME-model_part-K.pt on rank K), or its expert shards
 # consolidated into NAME.consolidated.pt (at MP > 1 into NAME.consolidated-model_part-K.pt).
 ts_checkpoint() {
-  local save="$1" name="$2" parts=1
+  local save="$1" name="$2" parts=1 input
   ts_checkpoint_files "$save" "$name" >/dev/null || die "no checkpoint $save/$name.pt; train first"
+  if compgen -G "$save/$name-stage[0-9]*.pt" >/dev/null \
+      || compgen -G "$save/$name-model_part-[0-9]*-stage[0-9]*.pt" >/dev/null; then
+    input="$save/$name.pt"  # pipeline stages: experts consolidated, stages merged into one stack at this MP
+    if compgen -G "$save/$name-*stage[0-9]*-shard[0-9]*.pt" >/dev/null; then
+      "$PY" -m torchscale_fairseq.cli.consolidate_experts "$input" -o "$save/$name.consolidated.pt" >&2 \
+        || die "could not consolidate the expert shards $save/$name*-shard*.pt"
+      input="$save/$name.consolidated.pt"
+    fi
+    "$PY" -m torchscale_fairseq.cli.reshard --input "$input" --pipeline-size 1 --size "$MP" \
+      --output "$save/$name.one_stage.pt" >/dev/null || die "could not merge the pipeline stages $save/$name*-stage*.pt"
+    echo "$save/$name.one_stage.pt"
+    return
+  fi
   if compgen -G "$save/$name-model_part-[0-9]*.pt" >/dev/null; then
     parts="$(compgen -G "$save/$name-model_part-[0-9]*.pt" | sed 's/.*-model_part-\([0-9]*\).*/\1/' | sort -u | wc -l)"
   fi
@@ -183,7 +204,13 @@ ts_lm_setup() {
   ts_default SEED 1 1
   for v in LAYERS MAX_UPDATE WARMUP TOTAL_BATCH BATCH_SIZE TOKENS_PER_SAMPLE; do ts_int "$v"; done
   ts_need_data "$DATA" dict.txt train.bin valid.bin
-  UPDATE_FREQ="${UPDATE_FREQ:-$(ts_ceil_div "$TOTAL_BATCH" $((BATCH_SIZE * DP_WORLD)))}"
+  if [ -z "${UPDATE_FREQ:-}" ]; then
+    UPDATE_FREQ="$(ts_ceil_div "$TOTAL_BATCH" $((BATCH_SIZE * DP_WORLD)))"
+    if [ "$UPDATE_FREQ" -lt "$PP" ]; then  # a pipeline needs PP micro-batches or more: smaller ones, same total
+      UPDATE_FREQ="$PP"
+      BATCH_SIZE="$(ts_ceil_div "$TOTAL_BATCH" $((PP * DP_WORLD)))"
+    fi
+  fi
   MODEL_ARGS=(--arch "$ARCH" --backbone "$BACKBONE" --decoder-layers "$LAYERS" --decoder-embed-dim "$EMBED_DIM"
     --decoder-ffn-embed-dim "$FFN_DIM" --decoder-attention-heads "$HEADS" --dropout "$DROPOUT"
     --attention-dropout "$ATTENTION_DROPOUT" --share-decoder-input-output-embed)
@@ -196,6 +223,7 @@ ts_lm_setup() {
 
 # ts_nmt_setup: the NMT recipe (TorchScale paper Tables 3-4) into MODEL_ARGS / TRAIN_ARGS.
 ts_nmt_setup() {
+  [ "$PP" = 1 ] || die "PP=$PP: pipeline parallelism runs the LM recipes (ts_lm) only; use PP=1 (MP for tensor parallelism)"
   ts_default DATA data-bin/kjv_sparv_spm data-bin/kjv_sparv_spm_tiny
   ts_default SRC_LANG en en
   ts_default TGT_LANG es es

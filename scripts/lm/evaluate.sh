@@ -3,8 +3,11 @@
 #   SAVE_DIR=checkpoints/lm_dense_magneto_L12_full bash scripts/lm/evaluate.sh
 # Knobs: SAVE_DIR (required), DATA, SUBSET (test), CHECKPOINT (checkpoint_best), TOKENS_PER_SAMPLE,
 # CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP (the tensor-parallel size it was trained at; one
-# process per part). Writes SAVE_DIR/eval_SUBSET.txt ("perplexity P" and "loss_base2 L") and prints it; the
-# full fairseq output is in eval_SUBSET.log.
+# process per part). A pipelined checkpoint (PP > 1 in training) is merged into one stack first
+# (ts-reshard --pipeline-size 1, into CHECKPOINT.one_stage.pt), so PP is not read here. Writes
+# SAVE_DIR/eval_SUBSET.txt ("perplexity P" and "loss_base2 L") and prints it; the full fairseq output is in
+# eval_SUBSET.log.
+PP=1
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ -n "${SAVE_DIR:-}" ] || die "set SAVE_DIR to the training run's directory"
 ts_default DATA data-bin/enwiki_gpt2 data-bin/enwiki_gpt2_tiny

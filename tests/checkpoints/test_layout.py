@@ -20,17 +20,20 @@ from torchscale_fairseq.checkpoints.layout import (
 from torchscale_fairseq.errors import TsConfigError
 
 
-@pytest.mark.parametrize("ranks,base,want", [
-    ((0, 1, 0, 1), "", ""),
-    ((1, 2, 0, 1), "", "-model_part-1"),
-    ((0, 1, 3, 4), "", "-shard3"),
-    ((1, 2, 1, 2), "", "-model_part-1-shard1"),
-    ((0, 2, 0, 2), "-ft", "-ft-model_part-0-shard0"),
+@pytest.mark.parametrize("ranks,base,want", [  # (tp_rank, tp_size, ep_rank, ep_size, pp_rank, pp_size)
+    ((0, 1, 0, 1, 0, 1), "", ""),
+    ((1, 2, 0, 1, 0, 1), "", "-model_part-1"),
+    ((0, 1, 3, 4, 0, 1), "", "-shard3"),
+    ((1, 2, 1, 2, 0, 1), "", "-model_part-1-shard1"),
+    ((0, 2, 0, 2, 0, 1), "-ft", "-ft-model_part-0-shard0"),
+    ((0, 1, 0, 1, 3, 4), "", "-stage3"),
+    ((1, 2, 1, 2, 1, 2), "-ft", "-ft-model_part-1-stage1-shard1"),
 ])
 def test_suffix_is_todays_file_name(ranks, base, want):
-    assert checkpoint_suffix(*ranks, base_suffix=base) == want
-    tp_rank, tp_size, ep_rank, ep_size = ranks
-    assert split_suffix(want) == (base, tp_rank if tp_size > 1 else None, ep_rank if ep_size > 1 else None)
+    tp_rank, tp_size, ep_rank, ep_size, pp_rank, pp_size = ranks
+    assert checkpoint_suffix(tp_rank, tp_size, ep_rank, ep_size, base, pp_rank, pp_size) == want
+    assert split_suffix(want) == (base, tp_rank if tp_size > 1 else None, pp_rank if pp_size > 1 else None,
+                                  ep_rank if ep_size > 1 else None)
 
 
 def _old_state(rank: int, world: int, tp: int, experts: int) -> dict:
@@ -59,8 +62,8 @@ def test_grid_of_files_and_its_errors(tmp_path):
     _touch(tmp_path / "checkpoint_last_backup.pt")  # another checkpoint's name
     _touch(tmp_path / "checkpoint_best-model_part-0.pt")
     files = find_checkpoint_files(str(name))
-    assert (files.tp_size, files.ep_size) == (2, 3)
-    assert files.paths[(1, 2)].endswith("checkpoint_last-model_part-1-shard2.pt")
+    assert (files.tp_size, files.pp_size, files.ep_size) == (2, 1, 3)
+    assert files.paths[(1, 0, 2)].endswith("checkpoint_last-model_part-1-shard2.pt")
     (tmp_path / "checkpoint_last-model_part-0-shard1.pt").unlink()
     with pytest.raises(TsConfigError, match=r"checkpoint_last-model_part-0-shard1.pt is missing"):
         find_checkpoint_files(str(name))
@@ -69,6 +72,25 @@ def test_grid_of_files_and_its_errors(tmp_path):
         find_checkpoint_files(str(name))
     with pytest.raises(TsConfigError, match="no checkpoint .*checkpoint_x.pt.*check --input"):
         find_checkpoint_files(str(tmp_path / "checkpoint_x.pt"), "--input")
+
+
+def test_grid_of_pipeline_stages(tmp_path):
+    name = tmp_path / "checkpoint_1_4.pt"
+    for k in range(2):
+        for p in range(3):
+            _touch(tmp_path / f"checkpoint_1_4-model_part-{k}-stage{p}.pt")
+    files = find_checkpoint_files(str(name))
+    assert (files.tp_size, files.pp_size, files.ep_size) == (2, 3, 1)
+    assert files.paths[(1, 2, 0)].endswith("checkpoint_1_4-model_part-1-stage2.pt")
+    with pytest.raises(TsConfigError, match="names one file of a sharded checkpoint"):
+        find_checkpoint_files(str(tmp_path / "checkpoint_1_4-model_part-1-stage2.pt"))
+    (tmp_path / "checkpoint_1_4-model_part-1-stage1.pt").unlink()
+    with pytest.raises(TsConfigError, match=r"checkpoint_1_4-model_part-1-stage1.pt is missing"):
+        find_checkpoint_files(str(name))
+    with pytest.raises(TsConfigError, match=r"saved as 3 pipeline stages.*--pipeline-size 1 --size 2"):
+        check_checkpoint_name(str(name), 2)
+    with pytest.raises(TsConfigError, match="names one checkpoint part or pipeline stage"):
+        check_checkpoint_name(str(tmp_path / "checkpoint_1_4-stage0.pt"), 1)
 
 
 def test_load_checks_name_the_conversion_command(tmp_path):

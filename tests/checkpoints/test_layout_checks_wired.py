@@ -31,7 +31,7 @@ def test_missing_own_file_of_a_sharded_checkpoint_is_one_line(lm_data, tmp_path)
     for r in range(2):
         (tmp_path / f"checkpoint_last-shard{r}.pt").write_bytes(b"")  # found by name; never read
     with pytest.raises(TsConfigError, match=r"does not exist but .*checkpoint_last\.pt was saved as 1 tensor-parallel "
-                                            r"part\(s\) x 2 expert shard\(s\)"):
+                                            r"part\(s\) x 1 pipeline stage\(s\) x 2 expert shard\(s\)"):
         trainer.load_checkpoint(str(tmp_path / "checkpoint_last.pt"))
     assert trainer.load_checkpoint(str(tmp_path / "checkpoint_other.pt")) is None  # nothing saved: a fresh start
 

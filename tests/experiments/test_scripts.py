@@ -1,5 +1,6 @@
 """Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), also at MP=2 (tensor
-parallel, gloo; MoE with experts replicated over the two parts), then ts-plot-logs on the logs, and
+parallel, gloo; MoE with experts replicated over the two parts) and the dense LM at PP=2 (two
+pipeline stages; evaluate.sh merges them), then ts-plot-logs on the logs, and
 scripts/demo.sh at toy size on the same data (its baselines against sacrebleu and the formula)."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ TRAININGS = {
     "nmt_moe": ("nmt/train_moe.sh", {"EXPERTS": "2", "CLIP": "sparse"}),
     "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "sparse", "MP": "2"}),
     "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
+    "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
 }
 
 
@@ -70,11 +72,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return saves
 
 
-@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2"])
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2"])
 def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
-    parts = ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"] if name.endswith("mp2") else [
-        "checkpoint_best.pt"]
+    parts = {"lm_moe_mp2": ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"],
+             "lm_dense_pp2": ["checkpoint_best-stage0.pt", "checkpoint_best-stage1.pt",
+                              "checkpoint_best.one_stage.pt"]}.get(name, ["checkpoint_best.pt"])
     assert sorted(p.name for p in save.glob("checkpoint_best*.pt")) == parts
     log = plot_logs.parse_log(save / "train.log")
     assert [r["num_updates"] for r in log.records["train_inner"]] == ["1", "2", "3"]
@@ -178,6 +181,8 @@ def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
         ("lm/train_dense.sh", {"SCALE": "huge"}, "SCALE=huge: choose full or tiny"),
         ("lm/train_dense.sh", {"DATA": str(tmp_path)}, f"{tmp_path}/dict.txt not found"),
         ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
+        ("lm/train_dense.sh", {"NPROC_PER_NODE": "2", "PP": "4"}, "MP x PP = 4 does not divide the 2 processes"),
+        ("nmt/train_dense.sh", {"PP": "2"}, "PP=2: pipeline parallelism runs the LM recipes (ts_lm) only"),
         ("nmt/evaluate.sh", {}, "set SAVE_DIR"),
         ("demo.sh", {"PARALLEL": "yes"}, "PARALLEL=yes: set it to 0 or 1"),
     ):

@@ -613,10 +613,10 @@ def test_bad_inputs_one_line_nothing_overwritten(tmp_path):
     state["model"] = {k: v[:2] if ".experts." in k else v for k, v in state["model"].items()}
     state["cfg"]["distributed_training"] = {"distributed_rank": 0, "distributed_world_size": 2}
     torch.save(state, tmp_path / "moe-shard0.pt")
-    assert "a part or shard is missing" in error(str(tmp_path / "moe.pt"), str(tmp_path / "o3"))
+    assert "a part, stage or shard is missing" in error(str(tmp_path / "moe.pt"), str(tmp_path / "o3"))
     torch.save(state, tmp_path / "alone.pt")
-    assert "is one of 1 tensor-parallel part(s) x 2 expert shard(s)" in error(str(tmp_path / "alone.pt"),
-                                                                             str(tmp_path / "o4"))
+    assert "is one of 1 tensor-parallel part(s) x 1 pipeline stage(s) x 2 expert shard(s)" in error(
+        str(tmp_path / "alone.pt"), str(tmp_path / "o4"))
     assert "names one file of a sharded checkpoint" in error(str(tmp_path / "moe-shard0.pt"), str(tmp_path / "o5"))
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

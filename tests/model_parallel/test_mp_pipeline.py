@@ -16,6 +16,17 @@ process with the same ``--update-freq`` (the pipeline's micro-batches), dropout 
   accumulating both pipelines' batches (``--update-freq 8``): also the balance and z-losses, the
   load CVs, the drop fraction and SparseClip's dense and expert norms;
 - what a pipelined run cannot honour is a one-line error on every rank before any step.
+
+Checkpoints (each stage its own ``-stage<p>`` file, layers named by global index), against the
+one-process runs' own checkpoints and logs:
+
+- ``ts-reshard --pipeline-size 1`` of the P = 4 (tied) checkpoint: ``fairseq-eval-lm`` on it equals
+  the pipelined run's last validation loss, and one process resumed from its update-2 checkpoint
+  makes the one-process run's updates 3 and 4 (the Adam moments came along);
+- the merged interleaved (V = 2) and P = 2 x DP = 2 X-MoE checkpoints (experts consolidated,
+  stages merged, as ``ts-export-hf`` reads them) hold the one-process run's weights;
+- P = 2, V = 2 -> 1 -> P = 2, V = 2 gives back every file bitwise (weights, moments, record);
+- ``fairseq-eval-lm`` given the stages is a one-line error naming the conversion.
 """
 
 from __future__ import annotations
@@ -23,7 +34,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from mp_helpers import make_corpora, relative_close, run_jobs, train_records
+
+from torchscale_fairseq.cli import consolidate_experts, reshard
+from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 
 UPDATES = 4
 REL = 1e-5
@@ -68,7 +83,6 @@ ERRORS = {  # name: (world, flags, expected error)
     "interleaved_update_freq": (2, (*PP2, "--virtual-pipeline-stages", "2", "--update-freq", "3"),
                                 "use an --update-freq that is a multiple of it"),
     "c10d_with_data_parallel": (4, (*PP2, "--ddp-backend", "c10d"), "use --ddp-backend legacy_ddp"),
-    "checkpoints": (2, (*PP2, "--save-dir", "SAVE"), "does not save checkpoints yet"),
     "rel_pos": (2, (*PP2, "--rel-pos-buckets", "32"), "--rel-pos-buckets is not pipeline-parallel yet"),
 }
 
@@ -79,14 +93,17 @@ def runs(tmp_path_factory) -> dict:
     lm_bin, _ = make_corpora(root)
     jobs = {name: ("fairseq-train", lm_args(lm_bin, update_freq, *flags), world)
             for name, (update_freq, world, flags, _) in RUNS.items()}
+    for name in SAVED:
+        args = jobs[name][1]
+        args[args.index("--no-save"):args.index("--no-save") + 1] = [
+            "--save-dir", str(root / name), "--save-interval-updates", "2"]
     for name, (world, flags, _) in ERRORS.items():
-        args = lm_args(lm_bin, 4, *flags)
-        if "--save-dir" in args:
-            args = [a for a in args if a != "--no-save"]
-            args[args.index("SAVE")] = str(root / "save")
-        jobs[name] = ("fairseq-train", args, world)
+        jobs[name] = ("fairseq-train", [*lm_args(lm_bin, 4, *flags), "--save-dir", str(root / "save")], world)
     logs, codes = run_jobs(jobs, root, unrounded=True, must_fail=list(ERRORS))
-    return {"logs": logs, "codes": codes, "root": root}
+    return {"logs": logs, "codes": codes, "root": root, "lm_bin": lm_bin}
+
+
+SAVED = ("one_tied", "pp4_tied", "one", "pp2_interleaved", "moe_one_uf8", "moe_pp2_dp2")
 
 
 def _valid_losses(log: Path) -> list[float]:
@@ -115,3 +132,85 @@ def test_pipeline_bad_inputs_are_one_line_errors(runs, name):
         lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
         assert expected in lines[-1] and "Traceback" not in text, text[-2000:]
     assert not (runs["root"] / "save").exists() or not any((runs["root"] / "save").iterdir())
+
+
+# checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(runs, tmp_path_factory) -> dict:
+    """The P = 4 checkpoints merged (``ts-reshard``), then at once: fairseq-eval-lm on the merged
+    last checkpoint and on the stages, one process resumed from the merged update-2 checkpoint."""
+    root, out = runs["root"], tmp_path_factory.mktemp("pp_converted")
+    for name in ("checkpoint_1_2", "checkpoint_last"):
+        reshard.main(["--input", str(root / "pp4_tied" / f"{name}.pt"), "--pipeline-size", "1",
+                      "--output", str(out / f"{name}.pt")])
+    resume_args = lm_args(runs["lm_bin"], 4, *TIED)
+    evaluate = [str(runs["lm_bin"]), "--task", "language_modeling", "--tokens-per-sample", "32", "--batch-size", "4",
+                "--gen-subset", "valid", "--path"]
+    logs, _ = run_jobs({
+        "eval_merged": ("fairseq-eval-lm", [*evaluate, str(out / "checkpoint_last.pt")], 1),
+        "eval_stages": ("fairseq-eval-lm", [*evaluate, str(root / "pp4_tied" / "checkpoint_last.pt")], 1),
+    }, out, must_fail=["eval_stages"])
+    resumed, _ = run_jobs({"resumed": ("fairseq-train", [*resume_args, "--restore-file", str(out / "checkpoint_1_2.pt")],
+                                       1)}, out, unrounded=True)
+    return {"logs": {**logs, **resumed}, "out": out}
+
+
+def test_eval_lm_on_the_merged_stages_equals_the_pipelined_validation(runs, converted):
+    text = converted["logs"]["eval_merged"][0].read_text()
+    loss = float(text.split("Loss (base 2): ")[1].split(",")[0])
+    assert relative_close(loss, _valid_losses(runs["logs"]["pp4_tied"][0])[-1], 1e-4), loss
+
+
+def test_one_process_resumes_the_merged_stages_like_one_process(runs, converted):
+    text = converted["logs"]["resumed"][0].read_text()
+    assert "Loaded checkpoint" in text and "@ 2 updates" in text
+    ours, theirs = train_records(converted["logs"]["resumed"][0]), train_records(runs["logs"]["one_tied"][0])[2:]
+    assert [r["num_updates"] for r in ours] == ["3", "4"]
+    for a, b in zip(ours, theirs):
+        for key in ("loss", "gnorm"):
+            assert relative_close(float(a[key]), float(b[key]), REL), (key, a[key], b[key])
+
+
+def test_eval_lm_on_the_stages_is_one_line(converted):
+    lines = [ln for ln in converted["logs"]["eval_stages"][0].read_text().splitlines() if ln.strip()]
+    assert "was saved as 4 pipeline stages" in lines[-1] and "--pipeline-size 1" in lines[-1], lines[-3:]
+
+
+@pytest.mark.parametrize("name,reference", [("pp4_tied", "one_tied"), ("pp2_interleaved", "one"),
+                                            ("moe_pp2_dp2", "moe_one_uf8")])
+def test_merged_stages_hold_the_one_process_weights(runs, name, reference):
+    merged = load_single_process_state(str(runs["root"] / name / "checkpoint_last.pt"))["model"]
+    want = load_single_process_state(str(runs["root"] / reference / "checkpoint_last.pt"))["model"]
+    assert list(merged) == list(want)
+    for key, value in want.items():
+        assert torch.allclose(merged[key], value, rtol=1e-4, atol=1e-5), key
+
+
+def test_stages_round_trip_through_one_stack_bitwise(runs, tmp_path):
+    source = runs["root"] / "pp2_interleaved" / "checkpoint_last.pt"
+    reshard.main(["--input", str(source), "--pipeline-size", "1", "--output", str(tmp_path / "one.pt")])
+    reshard.main(["--input", str(tmp_path / "one.pt"), "--pipeline-size", "2", "--virtual-pipeline-stages", "2",
+                  "--output", str(tmp_path / "back.pt")])
+    for stage in (0, 1):
+        a = torch.load(source.with_name(f"checkpoint_last-stage{stage}.pt"), weights_only=True)
+        b = torch.load(tmp_path / f"back-stage{stage}.pt", weights_only=True)
+        assert list(a["model"]) == list(b["model"]) and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        for field in ("params", "layout", "pipeline", "expert_parallel"):
+            assert a["extra_state"]["ts_tensor_parallel"][field] == b["extra_state"]["ts_tensor_parallel"][field], field
+        moments_a, moments_b = a["last_optimizer_state"], b["last_optimizer_state"]
+        assert moments_a["param_groups"] == moments_b["param_groups"]
+        assert moments_a["state"].keys() == moments_b["state"].keys()
+        for index, entry in moments_a["state"].items():
+            for key, value in entry.items():
+                other = moments_b["state"][index][key]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (index, key)
+
+
+def test_expert_shards_of_stages_consolidate_per_stage(runs, tmp_path):
+    consolidate_experts.main([str(runs["root"] / "moe_pp2_dp2" / "checkpoint_last.pt"), "-o", str(tmp_path / "c.pt")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c-stage0.pt", "c-stage1.pt"]
+    merged = load_single_process_state(str(tmp_path / "c.pt"))["model"]
+    want = load_single_process_state(str(runs["root"] / "moe_pp2_dp2" / "checkpoint_last.pt"))["model"]
+    assert list(merged) == list(want) and all(torch.equal(merged[k], want[k]) for k in want)

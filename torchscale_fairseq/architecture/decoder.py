@@ -28,6 +28,7 @@ from torchscale_fairseq.model_parallel.attributes import (
 )
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key, local_layer_key
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
@@ -89,6 +90,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self._chunk_layers = [slice(a, b) for a, b in zip(starts, starts[1:])]
         self._pipeline_chunk = 0
         self._pipeline_input: Optional[torch.Tensor] = None
+        if self.split.stages > 1:  # a stage's state dict names its layers as one process does
+            self.register_state_dict_post_hook(_global_layer_keys)
+            self.register_load_state_dict_pre_hook(_local_layer_keys)
 
     def set_pipeline_input(self, chunk: int, hidden: Optional[torch.Tensor]) -> None:
         """The next forward runs chunk ``chunk`` of this rank (Megatron-LM's ``set_input_tensor``)
@@ -206,3 +210,23 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def max_positions(self) -> int:
         return self.cfg.max_positions
+
+
+def _global_layer_keys(module: TransformerDecoder, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict hook of a pipeline stage: local layer ``j`` saved as its global index."""
+    _rename_keys(state_dict, lambda key: global_layer_key(key, f"{prefix}layers.", module.split.layer_indices))
+
+
+def _local_layer_keys(module: TransformerDecoder, state_dict: dict, prefix: str, *unused: Any) -> None:
+    """Load hook of a pipeline stage: global layer indices back to local ones (a layer of another
+    stage keeps its name; :func:`~torchscale_fairseq.models.checkpoint_checks.check_state_dict_shapes`
+    refuses such a checkpoint first)."""
+    indices = module.split.layer_indices
+    _rename_keys(state_dict, lambda key: local_layer_key(key, f"{prefix}layers.", indices) or key)
+
+
+def _rename_keys(state_dict: dict, rename) -> None:
+    """Rename every key of ``state_dict`` in place, keeping the order."""
+    items = list(state_dict.items())
+    state_dict.clear()
+    state_dict.update((rename(key), value) for key, value in items)

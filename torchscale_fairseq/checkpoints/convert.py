@@ -11,8 +11,16 @@
   ``0 .. A-1`` are concatenated; ranks ``A ..`` hold replicas and must equal them; dense
   tensors must be identical on every rank. The (sharded) optimizer state is dropped.
 
-A checkpoint with both kinds of shards is converted by applying either per rank of the
-other kind (:func:`reshard_grid`, :func:`consolidate_grid`); both in turn give one file.
+- :func:`merge_stages`: the ``P`` pipeline stages of one tensor-parallel rank and expert shard
+  to one state (every stage names its layers by global index, so the model is the union of the
+  stages' tensors; the last stage's copy of a tied embedding must equal the first stage's
+  embedding and is dropped); the optimizer moments follow their parameters into one process's
+  order (embedding, layers in order, the rest). :func:`split_stages` is its inverse for a split
+  given as layer counts per global stage (``--pipeline-layers``; even by default).
+
+A checkpoint with several kinds of shards is converted by applying each per rank of the
+others (:func:`reshard_grid`, :func:`consolidate_grid`, :func:`repipeline_grid`); all in turn
+give one file.
 """
 
 from __future__ import annotations
@@ -24,12 +32,20 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from torchscale_fairseq.checkpoints.layout import CheckpointLayout, read_record, write_record
+from torchscale_fairseq.checkpoints.layout import CheckpointLayout, PipelineRecord, read_record, write_record
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.partition import reshard
+from torchscale_fairseq.model_parallel.pipeline_parallel import chunk_layer_ranges, stage_layer_counts
 
-# grids of loaded states: states[(tp_rank, ep_rank)]
-Grid = dict[tuple[int, int], dict[str, Any]]
+# grids of loaded states: states[(tp_rank, pp_rank, ep_rank)]
+Grid = dict[tuple[int, int, int], dict[str, Any]]
+
+# ts_lm's names (the pipelined model): the first stage's embedding, the layers, the last stage's
+# copy of a tied embedding; every other tensor (final LayerNorm, output layer) is the last stage's
+EMBEDDING_PREFIX = "decoder.embed."
+EMBEDDING = "decoder.embed.embed_tokens.weight"
+LAYERS_PREFIX = "decoder.layers."
+TIED_COPY = "decoder.tied_output.weight"
 
 
 def _plain(cfg: Any) -> Any:
@@ -41,9 +57,10 @@ def num_updates(state: dict[str, Any]) -> int:
     return int(history[-1].get("num_updates", -1))
 
 
-def check_same_run(states: list[dict[str, Any]], names: list[str], what: str = "shards") -> None:
-    """One line unless every state has the model settings, update count and parameter
-    names of the first."""
+def check_same_run(states: list[dict[str, Any]], names: list[str], what: str = "shards",
+                   same_parameters: bool = True) -> None:
+    """One line unless every state has the model settings, update count and (with
+    ``same_parameters``) parameter names of the first."""
     first, first_name = states[0], names[0]
     model_cfg = _plain((first.get("cfg") or {}).get("model"))
     for state, name in zip(states[1:], names[1:]):
@@ -54,7 +71,7 @@ def check_same_run(states: list[dict[str, Any]], names: list[str], what: str = "
                 f"{name} is at update {num_updates(state)} but {first_name} at {num_updates(first)}: "
                 f"{what} from different runs or steps"
             )
-        if set(state["model"]) != set(first["model"]):
+        if same_parameters and set(state["model"]) != set(first["model"]):
             raise TsConfigError(f"{name} and {first_name} hold different parameters: {what} from different runs")
 
 
@@ -136,14 +153,16 @@ def reshard_states(states: list[dict[str, Any]], size: int, names: list[str] | N
     return out
 
 
-def reshard_grid(grid: Grid, tp_size: int, ep_size: int, size: int, names: dict | None = None) -> Grid:
-    """:func:`reshard_states` for every expert rank of a ``tp_size x ep_size`` grid."""
+def reshard_grid(grid: Grid, tp_size: int, ep_size: int, size: int, names: dict | None = None,
+                 pp_size: int = 1) -> Grid:
+    """:func:`reshard_states` for every stage and expert rank of a ``tp_size x pp_size x ep_size`` grid."""
     out: Grid = {}
-    for r in range(ep_size):
-        parts = reshard_states([grid[(k, r)] for k in range(tp_size)], size,
-                               [names[(k, r)] for k in range(tp_size)] if names else None)
-        for k, state in enumerate(parts):
-            out[(k, r)] = state
+    for p in range(pp_size):
+        for r in range(ep_size):
+            parts = reshard_states([grid[(k, p, r)] for k in range(tp_size)], size,
+                                   [names[(k, p, r)] for k in range(tp_size)] if names else None)
+            for k, state in enumerate(parts):
+                out[(k, p, r)] = state
     return out
 
 
@@ -206,10 +225,167 @@ def consolidate(states: list[dict], names: list[str]) -> dict:
     return out
 
 
-def consolidate_grid(grid: Grid, tp_size: int, ep_size: int, names: dict | None = None) -> Grid:
-    """:func:`consolidate` for every tensor-parallel rank of a ``tp_size x ep_size`` grid."""
+def consolidate_grid(grid: Grid, tp_size: int, ep_size: int, names: dict | None = None, pp_size: int = 1) -> Grid:
+    """:func:`consolidate` for every tensor-parallel rank and stage of a ``tp_size x pp_size x ep_size`` grid."""
     return {
-        (k, 0): consolidate([grid[(k, r)] for r in range(ep_size)],
-                            [names[(k, r)] if names else f"part {k} shard {r}" for r in range(ep_size)])
-        for k in range(tp_size)
+        (k, p, 0): consolidate([grid[(k, p, r)] for r in range(ep_size)],
+                               [names[(k, p, r)] if names else f"part {k} stage {p} shard {r}" for r in range(ep_size)])
+        for k in range(tp_size) for p in range(pp_size)
     }
+
+
+# pipeline parallelism ----------------------------------------------------------------------
+
+
+def _stack_position(key: str) -> tuple[int, int]:
+    """Where a tensor sits in one process's order: embedding, layer ``i``, the rest."""
+    if key.startswith(LAYERS_PREFIX):
+        return 1, int(key[len(LAYERS_PREFIX):].split(".", 1)[0])
+    return (0, 0) if key.startswith(EMBEDDING_PREFIX) else (2, 0)
+
+
+def _moved_optimizer(states: list[dict[str, Any]], records: list[CheckpointLayout], params: list[str],
+                     source: dict[str, tuple[int, str]]) -> dict[str, Any] | None:
+    """The optimizer state of a file whose parameters (optimizer order) are ``params``, each
+    taken from ``source[name] = (state index, name there)``; ``None`` when the states cannot be
+    mapped to parameters (no state, no recorded names, several parameter groups, moments not
+    shaped like their parameter: fp16's flat master)."""
+    optimizers = [s.get("last_optimizer_state") for s in states]
+    if any(r.params is None for r in records) or any(
+            not isinstance(o, dict) or not isinstance(o.get("state"), dict) or len(o.get("param_groups") or ()) != 1
+            for o in optimizers):
+        return None
+    entries: dict[int, dict[str, Any]] = {}
+    for j, name in enumerate(params):
+        index, there = source[name]
+        positions = {n: i for i, n in enumerate(records[index].params)}
+        entry = optimizers[index]["state"].get(positions.get(there, -1))
+        if entry is None:
+            continue
+        for value in entry.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != states[index]["model"][there].shape:
+                return None
+        entries[j] = copy.deepcopy(entry)
+    first = optimizers[0]
+    groups = copy.deepcopy(first["param_groups"])
+    groups[0]["params"] = list(range(len(params)))
+    return {**{k: copy.deepcopy(v) for k, v in first.items() if k not in ("state", "param_groups")},
+            "state": entries, "param_groups": groups}
+
+
+def _rebuilt(template: dict[str, Any], model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None,
+             layout: CheckpointLayout) -> dict[str, Any]:
+    """``template`` (a loaded state) holding ``model`` and ``optimizer``, recorded as ``layout``."""
+    state = copy.deepcopy({k: v for k, v in template.items() if k not in ("model", "last_optimizer_state")})
+    state["cfg"] = _plain(state.get("cfg"))
+    state["model"] = model
+    if optimizer is not None:
+        state["last_optimizer_state"] = optimizer
+    write_record(state, layout)
+    return state
+
+
+def merge_stages(states: list[dict[str, Any]], names: list[str] | None = None) -> dict[str, Any]:
+    """The one-stage state of the pipeline stages ``states`` (stage order) of one tensor-parallel
+    rank and expert shard; see the module docstring."""
+    names = names or [f"stage {p}" for p in range(len(states))]
+    records = [read_record(s) for s in states]
+    first = records[0]
+    for p, (record, name) in enumerate(zip(records, names)):
+        if (record.pipeline.size, record.pipeline.rank) != (len(states), p) or (
+                record.tp_rank, record.ep_rank) != (first.tp_rank, first.ep_rank):
+            raise TsConfigError(
+                f"{name} records pipeline stage {record.pipeline.rank} of {record.pipeline.size} (part {record.tp_rank}, "
+                f"shard {record.ep_rank}) where stage {p} of {len(states)} belongs: stages from different runs or "
+                "renamed files"
+            )
+    check_same_run(states, names, "stages", same_parameters=False)
+    model: dict[str, torch.Tensor] = {}
+    owner: dict[str, tuple[int, str]] = {}
+    for p, (state, name) in enumerate(zip(states, names)):
+        for key, value in state["model"].items():
+            if key == TIED_COPY:
+                continue
+            if key in model and not torch.equal(model[key], value):
+                raise TsConfigError(f"{name} and {names[owner[key][0]]} hold different {key}: stages from different runs")
+            model.setdefault(key, value)
+            owner.setdefault(key, (p, key))
+    for state, name in zip(states, names):
+        if TIED_COPY in state["model"] and not torch.equal(state["model"][TIED_COPY], model.get(EMBEDDING)):
+            raise TsConfigError(f"{name}'s copy of the tied embedding differs from the first stage's: stages from "
+                                "different runs or steps")
+    order = sorted(model, key=_stack_position)
+    layers = sorted({_stack_position(k)[1] for k in order if k.startswith(LAYERS_PREFIX)})
+    counts = first.pipeline.counts
+    if counts is not None and layers != list(range(sum(counts))):
+        raise TsConfigError(f"the stages hold layers {layers} but the pipeline split {list(counts)} has "
+                            f"{sum(counts)}: a stage is missing or from another run")
+    params = sorted((n for r in records for n in (r.params or ()) if n != TIED_COPY), key=_stack_position) \
+        if all(r.params is not None for r in records) else None
+    for p, record in enumerate(records):
+        for key in record.params or ():
+            owner.setdefault(key, (p, key))
+    optimizer = _moved_optimizer(states, records, params, owner) if params is not None else None
+    tp_layout = None if any(r.tp_layout is None for r in records) else {
+        k: v for r in records for k, v in r.tp_layout.items() if k != TIED_COPY}
+    experts = None if any(r.expert_tensors is None for r in records) else sorted(
+        {k for r in records for k in r.expert_tensors}, key=_stack_position)
+    layout = dataclasses.replace(first, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},
+                                 pipeline=PipelineRecord())
+    return _rebuilt(states[0], {k: model[k] for k in order}, optimizer, layout)
+
+
+def split_stages(state: dict[str, Any], size: int, virtual: int = 1, counts: list[int] | None = None,
+                 name: str = "the checkpoint") -> list[dict[str, Any]]:
+    """The ``size`` pipeline stages (``virtual`` chunks each, ``counts`` layers per global stage or
+    an even split) of the one-stage ``state``: the inverse of :func:`merge_stages`."""
+    record = read_record(state)
+    if record.pipeline.size != 1:
+        raise TsConfigError(f"{name} is pipeline stage {record.pipeline.rank} of {record.pipeline.size}: merge the "
+                            "stages first (pass the checkpoint name)")
+    model = state["model"]
+    layers = len({_stack_position(k)[1] for k in model if k.startswith(LAYERS_PREFIX)})
+    counts = stage_layer_counts(layers, size * virtual, counts)
+    tied = size > 1 and EMBEDDING in model and not any(k.startswith("decoder.output_projection.") for k in model)
+    stages = []
+    for p in range(size):
+        held = {i for r in chunk_layer_ranges(counts, size, p) for i in r}
+
+        def kept(key: str, p: int = p, held: set = held) -> bool:
+            group, index = _stack_position(key)
+            if group == 1:
+                return index in held
+            return p == 0 if group == 0 else p == size - 1
+
+        stage_model = {k: v for k, v in model.items() if kept(k)}
+        params = None if record.params is None else [n for n in record.params if kept(n)]
+        source = {n: (0, n) for n in params or ()}
+        tp_layout = None if record.tp_layout is None else {k: v for k, v in record.tp_layout.items() if kept(k)}
+        if tied and p == size - 1:
+            stage_model[TIED_COPY] = model[EMBEDDING].clone()
+            if params is not None:
+                params.append(TIED_COPY)
+                source[TIED_COPY] = (0, EMBEDDING)
+            if tp_layout is not None and EMBEDDING in record.tp_layout:
+                tp_layout[TIED_COPY] = record.tp_layout[EMBEDDING]
+        optimizer = _moved_optimizer([state], [record], params, source) if params is not None else None
+        experts = None if record.expert_tensors is None else [k for k in record.expert_tensors if kept(k)]
+        layout = dataclasses.replace(record, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},
+                                     pipeline=PipelineRecord(size, p, virtual, tuple(counts)))
+        stages.append(_rebuilt(state, stage_model, optimizer, layout))
+    return stages
+
+
+def repipeline_grid(grid: Grid, tp_size: int, pp_size: int, ep_size: int, size: int, virtual: int = 1,
+                    counts: list[int] | None = None, names: dict | None = None) -> Grid:
+    """Every tensor-parallel rank and expert shard of a ``tp_size x pp_size x ep_size`` grid
+    merged (:func:`merge_stages`) and split again into ``size`` stages (:func:`split_stages`)."""
+    out: Grid = {}
+    for k in range(tp_size):
+        for r in range(ep_size):
+            stages = [grid[(k, p, r)] for p in range(pp_size)]
+            merged = merge_stages(stages, [names[(k, p, r)] for p in range(pp_size)] if names else None) \
+                if pp_size > 1 else stages[0]
+            for p, state in enumerate(split_stages(merged, size, virtual, counts) if size > 1 else [merged]):
+                out[(k, p, r)] = state
+    return out

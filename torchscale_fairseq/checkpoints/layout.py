@@ -1,16 +1,18 @@
 """How a sharded checkpoint is named, described and checked: one layout for tensor-parallel
-parts and expert shards.
+parts, pipeline stages and expert shards.
 
-Names. A checkpoint ``NAME.pt`` saved by ``T`` tensor-parallel ranks whose experts are
-spread over ``S`` data-parallel ranks is the grid of files
-``NAME{base}{-model_part-k if T > 1}{-shard r if S > 1}.pt`` for ``k < T``, ``r < S``
-(:func:`checkpoint_suffix`; ``base`` is the user's ``--checkpoint-suffix``).
+Names. A checkpoint ``NAME.pt`` saved by ``T`` tensor-parallel ranks and ``P`` pipeline stages
+whose experts are spread over ``S`` data-parallel ranks is the grid of files
+``NAME{base}{-model_part-k if T > 1}{-stage p if P > 1}{-shard r if S > 1}.pt`` for ``k < T``,
+``p < P``, ``r < S`` (:func:`checkpoint_suffix`; ``base`` is the user's ``--checkpoint-suffix``).
+A stage's file names its layers by their global index (``decoder.layers.i`` as one process).
 
 Record. Every file holds ``extra_state["ts_tensor_parallel"]`` (:func:`describe`)::
 
     {"size": T, "rank": k, "layout": {name: {"dim", "stride", "vocab"}},
      "params": [trainable parameter names, optimizer order], "rng": tracker state,
-     "expert_parallel": {"size": S, "rank": r, "experts": E, "tensors": [expert names]}}
+     "expert_parallel": {"size": S, "rank": r, "experts": E, "tensors": [expert names]},
+     "pipeline": {"size": P, "rank": p, "virtual": V, "counts": [layers per global stage]}}
 
 ``layout`` says which tensors are split along which dimension with which stride and which
 dimension is a padded vocabulary (:mod:`torchscale_fairseq.model_parallel.partition`);
@@ -23,9 +25,11 @@ their config (:func:`read_record`): the tensor-parallel size from
 (tensor-parallel groups are consecutive ranks, Megatron-LM appendix B.1), the expert
 count from ``cfg.model.moe_expert_count``.
 
-Checks. :func:`check_tensor_parallel_size`, :func:`check_expert_shards` and
-:func:`check_checkpoint_name` refuse a mismatched load with one line naming the
-conversion command (``ts-reshard``, ``ts-consolidate-experts``).
+Checkpoints without ``pipeline`` are one stage.
+
+Checks. :func:`check_tensor_parallel_size`, :func:`check_pipeline_size`,
+:func:`check_expert_shards` and :func:`check_checkpoint_name` refuse a mismatched load with one
+line naming the conversion command (``ts-reshard``, ``ts-consolidate-experts``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import copy
 import glob
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,62 +52,71 @@ from torchscale_fairseq.model_parallel.partition import layout
 
 RECORD_KEY = "ts_tensor_parallel"
 EXPERT_RECORD_KEY = "expert_parallel"
+PIPELINE_RECORD_KEY = "pipeline"
 PART_SUFFIX = "-model_part-"
+STAGE_SUFFIX = "-stage"
 SHARD_SUFFIX = "-shard"
 EXPERT_DIM = 0
 LEGACY_EXPERT_KEY = re.compile(r"\.experts\.")  # expert tensors of checkpoints without a record
 RESHARD_COMMAND = "ts-reshard"
 CONSOLIDATE_COMMAND = "ts-consolidate-experts"
 
-_SUFFIX = re.compile(rf"^(?P<base>.*?)(?:{PART_SUFFIX}(?P<part>\d+))?(?:{SHARD_SUFFIX}(?P<shard>\d+))?$")
+_SUFFIX = re.compile(
+    rf"^(?P<base>.*?)(?:{PART_SUFFIX}(?P<part>\d+))?(?:{STAGE_SUFFIX}(?P<stage>\d+))?(?:{SHARD_SUFFIX}(?P<shard>\d+))?$")
+Position = tuple[int, int, int]  # (tensor-parallel rank, pipeline stage, expert shard) of one file
 
 
 # names ---------------------------------------------------------------------------------
 
 
-def checkpoint_suffix(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, base_suffix: str = "") -> str:
-    """``base_suffix`` + ``-model_part-{tp_rank}`` when ``tp_size > 1`` + ``-shard{ep_rank}``
-    when ``ep_size > 1`` (the file of one rank is ``NAME{suffix}.pt``)."""
+def checkpoint_suffix(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, base_suffix: str = "",
+                      pp_rank: int = 0, pp_size: int = 1) -> str:
+    """``base_suffix`` + ``-model_part-{tp_rank}`` when ``tp_size > 1`` + ``-stage{pp_rank}`` when
+    ``pp_size > 1`` + ``-shard{ep_rank}`` when ``ep_size > 1`` (one rank's file is ``NAME{suffix}.pt``)."""
     suffix = base_suffix
     if tp_size > 1:
         suffix += f"{PART_SUFFIX}{tp_rank}"
+    if pp_size > 1:
+        suffix += f"{STAGE_SUFFIX}{pp_rank}"
     if ep_size > 1:
         suffix += f"{SHARD_SUFFIX}{ep_rank}"
     return suffix
 
 
-def split_suffix(suffix: str) -> tuple[str, int | None, int | None]:
-    """``(base, tp_rank, ep_rank)`` of a suffix made by :func:`checkpoint_suffix` (a rank
-    is ``None`` when its part is absent)."""
+def split_suffix(suffix: str) -> tuple[str, int | None, int | None, int | None]:
+    """``(base, tp_rank, pp_rank, ep_rank)`` of a suffix made by :func:`checkpoint_suffix` (a
+    rank is ``None`` when its part is absent)."""
     match = _SUFFIX.match(suffix)
-    part, shard = match.group("part"), match.group("shard")
-    return match.group("base"), None if part is None else int(part), None if shard is None else int(shard)
+    ranks = (match.group(key) for key in ("part", "stage", "shard"))
+    return (match.group("base"), *(None if rank is None else int(rank) for rank in ranks))
 
 
-def file_name(name: str, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int) -> str:
-    """The file of rank ``(tp_rank, ep_rank)`` of checkpoint ``name`` (``NAME.pt``)."""
-    return f"{name[:-3]}{checkpoint_suffix(tp_rank, tp_size, ep_rank, ep_size)}.pt"
+def file_name(name: str, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, pp_rank: int = 0,
+              pp_size: int = 1) -> str:
+    """The file of rank ``(tp_rank, pp_rank, ep_rank)`` of checkpoint ``name`` (``NAME.pt``)."""
+    return f"{name[:-3]}{checkpoint_suffix(tp_rank, tp_size, ep_rank, ep_size, '', pp_rank, pp_size)}.pt"
 
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The files of one checkpoint: ``paths[(tp_rank, ep_rank)]`` over a full grid."""
+    """The files of one checkpoint: ``paths[(tp_rank, pp_rank, ep_rank)]`` over a full grid."""
 
     name: str
     tp_size: int
     ep_size: int
-    paths: dict[tuple[int, int], str]
+    paths: dict[Position, str]
+    pp_size: int = 1
 
 
-def _grid_positions(name: str) -> dict[tuple[int | None, int | None], str]:
-    """Every file ``NAME{-model_part-k}{-shard r}.pt`` that exists, by ``(k, r)``."""
+def _grid_positions(name: str) -> dict[tuple[int | None, int | None, int | None], str]:
+    """Every file ``NAME{-model_part-k}{-stage p}{-shard r}.pt`` that exists, by ``(k, p, r)``."""
     stem = name[:-3]
     found = {}
     for path in glob.glob(f"{glob.escape(stem)}*.pt"):
         rest = path[len(stem):-3]
-        base, part, shard = split_suffix(rest)
+        base, *position = split_suffix(rest)
         if base == "":
-            found[(part, shard)] = path
+            found[tuple(position)] = path
     return found
 
 
@@ -136,44 +150,66 @@ def newest_complete_checkpoint(save_dir: str, at_most: int, base_suffix: str = "
 
 def find_checkpoint_files(name: str, flag: str = "the checkpoint name") -> CheckpointFiles:
     """All files of checkpoint ``name`` (``NAME.pt``, as fairseq names it) as a full
-    ``(tp_rank, ep_rank)`` grid; one-line errors for a part or shard named instead of the
-    checkpoint, nothing found, files of two layouts, and a missing file."""
+    ``(tp_rank, pp_rank, ep_rank)`` grid; one-line errors for a part, stage or shard named instead
+    of the checkpoint, nothing found, files of two layouts, and a missing file."""
     if not name.endswith(".pt"):
         raise TsConfigError(f"{name} is not a checkpoint name ending in .pt: check {flag}")
-    _, part, shard = split_suffix(os.path.basename(name)[:-3])
-    if part is not None or shard is not None:
+    if any(rank is not None for rank in split_suffix(os.path.basename(name)[:-3])[1:]):
         raise TsConfigError(
             f"{name} names one file of a sharded checkpoint: pass the checkpoint name without "
-            f"'{PART_SUFFIX}K' and '{SHARD_SUFFIX}R'"
+            f"'{PART_SUFFIX}K', '{STAGE_SUFFIX}P' and '{SHARD_SUFFIX}R'"
         )
     found = _grid_positions(name)
     if not found:
         raise TsConfigError(
-            f"no checkpoint {name} (nor its parts {name[:-3]}{PART_SUFFIX}K.pt or shards "
-            f"{name[:-3]}{SHARD_SUFFIX}R.pt): check {flag}"
+            f"no checkpoint {name} (nor its parts {name[:-3]}{PART_SUFFIX}K.pt, stages {name[:-3]}{STAGE_SUFFIX}P.pt "
+            f"or shards {name[:-3]}{SHARD_SUFFIX}R.pt): check {flag}"
         )
-    kinds = {(k is not None, r is not None) for k, r in found}
+    kinds = {tuple(rank is not None for rank in position) for position in found}
     if len(kinds) > 1:
         shown = ", ".join(sorted(os.path.basename(p) for p in found.values())[:4])
         raise TsConfigError(
             f"{name} has files of different layouts ({shown}): move the files of other runs out of "
             f"{os.path.dirname(name) or '.'}"
         )
-    tp_size = 1 + max(k or 0 for k, _ in found)
-    ep_size = 1 + max(r or 0 for _, r in found)
-    parted, sharded = kinds.pop()
+    tp_size, pp_size, ep_size = (1 + max(position[axis] or 0 for position in found) for axis in range(3))
+    parted, staged, sharded = kinds.pop()
     paths = {}
     for k in range(tp_size):
-        for r in range(ep_size):
-            key = (k if parted else None, r if sharded else None)
-            if key not in found:
-                missing = file_name(name, k, tp_size if parted else 1, r, ep_size if sharded else 1)
-                raise TsConfigError(f"{missing} is missing: a checkpoint part or expert shard is incomplete")
-            paths[(k, r)] = found[key]
-    return CheckpointFiles(name, tp_size, ep_size, paths)
+        for p in range(pp_size):
+            for r in range(ep_size):
+                key = (k if parted else None, p if staged else None, r if sharded else None)
+                if key not in found:
+                    missing = file_name(name, k, tp_size, r, ep_size, p, pp_size)
+                    raise TsConfigError(f"{missing} is missing: a checkpoint part, stage or expert shard is incomplete")
+                paths[(k, p, r)] = found[key]
+    return CheckpointFiles(name, tp_size, ep_size, paths, pp_size)
 
 
 # record --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    """The pipeline stage a file holds: ``rank`` of ``size`` ranks with ``virtual`` chunks each,
+    ``counts`` the layers of every global stage (``None``: one stage, the whole stack)."""
+
+    size: int = 1
+    rank: int = 0
+    virtual: int = 1
+    counts: tuple[int, ...] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "rank": self.rank, "virtual": self.virtual,
+                "counts": None if self.counts is None else list(self.counts)}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any] | None) -> PipelineRecord:
+        if not record:
+            return cls()
+        counts = record.get("counts")
+        return cls(int(record["size"]), int(record["rank"]), int(record.get("virtual") or 1),
+                   None if counts is None else tuple(int(c) for c in counts))
 
 
 @dataclass(frozen=True)
@@ -194,6 +230,7 @@ class CheckpointLayout:
     params: list[str] | None = None
     expert_tensors: list[str] | None = None
     rng: dict = field(default_factory=dict)
+    pipeline: PipelineRecord = field(default_factory=PipelineRecord)
 
     def is_expert_key(self, key: str) -> bool:
         if self.expert_tensors is not None:
@@ -212,24 +249,27 @@ def expert_count(model: torch.nn.Module) -> int:
 
 
 def describe(
-    model: torch.nn.Module, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int, rng_state: dict
+    model: torch.nn.Module, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int, rng_state: dict,
+    pipeline: PipelineRecord | None = None, name: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """The record of the module docstring, for ``extra_state[RECORD_KEY]``; ``ep_size``
-    is the number of expert shards (1 unless every data-parallel rank saves its own)."""
+    is the number of expert shards (1 unless every data-parallel rank saves its own);
+    ``name`` maps a parameter's name to its name in the state dict (a stage's global layer index)."""
     expert_names = {id(p) for p in model.parameters() if is_expert(p)}
     return {
         "size": tp_size,
         "rank": tp_rank,
-        "layout": layout(model),
-        "params": [name for name, p in model.named_parameters() if p.requires_grad],
+        "layout": {name(key): value for key, value in layout(model).items()},
+        "params": [name(key) for key, p in model.named_parameters() if p.requires_grad],
         "rng": rng_state,
         EXPERT_RECORD_KEY: {
             "size": ep_size,
             "rank": ep_rank,
             "experts": expert_count(model),
-            "tensors": [name for name, p in model.named_parameters(remove_duplicate=False)
+            "tensors": [name(key) for key, p in model.named_parameters(remove_duplicate=False)
                         if id(p) in expert_names],
         },
+        PIPELINE_RECORD_KEY: (pipeline or PipelineRecord()).as_dict(),
     }
 
 
@@ -262,7 +302,8 @@ def read_record(state: dict[str, Any]) -> CheckpointLayout:
         tp_rank, ep_size, ep_rank = _ranks_from_config(state, tp_size, experts)
         expert_tensors = None
     return CheckpointLayout(tp_size, tp_rank, ep_size, ep_rank, experts, recorded.get("layout"),
-                            recorded.get("params"), expert_tensors, recorded.get("rng") or {})
+                            recorded.get("params"), expert_tensors, recorded.get("rng") or {},
+                            PipelineRecord.from_dict(recorded.get(PIPELINE_RECORD_KEY)))
 
 
 def _ranks_from_config(state: dict[str, Any], tp_size: int, experts: int) -> tuple[int | None, int, int]:
@@ -301,11 +342,13 @@ def write_record(state: dict[str, Any], new: CheckpointLayout) -> None:
         "rng": new.rng,
         EXPERT_RECORD_KEY: {"size": new.ep_size, "rank": new.ep_rank, "experts": new.experts,
                             "tensors": sorted(k for k in state.get("model", {}) if new.is_expert_key(k))},
+        PIPELINE_RECORD_KEY: new.pipeline.as_dict(),
     }
     if new.tp_layout is not None:
         record["layout"] = new.tp_layout
     state["extra_state"] = {**extra_state, RECORD_KEY: record}
     state["cfg"] = cfg = copy.deepcopy(state.get("cfg"))
+    pipe = new.pipeline
     if cfg is not None:
         if cfg.get("common") is not None:
             cfg["common"]["model_parallel_size"] = new.tp_size
@@ -313,11 +356,17 @@ def write_record(state: dict[str, Any], new: CheckpointLayout) -> None:
         if distributed is not None:
             if "model_parallel_size" in distributed:
                 distributed["model_parallel_size"] = new.tp_size
-            distributed["distributed_world_size"] = new.tp_size * new.ep_size
-            distributed["distributed_rank"] = new.ep_rank * new.tp_size + new.tp_rank
+            distributed["distributed_world_size"] = new.tp_size * new.ep_size * pipe.size
+            distributed["distributed_rank"] = new.tp_rank + new.tp_size * (new.ep_rank + new.ep_size * pipe.rank)
         if cfg.get("checkpoint") is not None:
             base = split_suffix(cfg["checkpoint"].get("checkpoint_suffix") or "")[0]
             cfg["checkpoint"]["checkpoint_suffix"] = checkpoint_suffix(new.tp_rank, new.tp_size, 0, 1, base)
+        model = cfg.get("model")
+        if model is not None and "pipeline_model_parallel_size" in model:
+            model["pipeline_model_parallel_size"] = pipe.size
+            model["virtual_pipeline_stages"] = pipe.virtual
+            counts = pipe.counts
+            model["pipeline_layers"] = (",".join(map(str, counts)) if counts and len(set(counts)) > 1 else None)
     if state.get("args") is not None:
         state["args"] = copy.copy(state["args"])
         state["args"].model_parallel_size = new.tp_size
@@ -357,6 +406,18 @@ def check_tensor_parallel_size(state: dict[str, Any], path: str, wanted: int) ->
         raise TsConfigError(reshard_hint(path, saved, wanted))
 
 
+def check_pipeline_size(state: dict[str, Any], path: str, wanted: int) -> None:
+    """Refuse a stage saved at another pipeline size (the layers of one stage are checked
+    against the model's by :func:`~torchscale_fairseq.models.checkpoint_checks.check_layers`)."""
+    saved = read_record(state).pipeline.size
+    if saved != wanted:
+        raise TsConfigError(
+            f"{path} was saved at --pipeline-model-parallel-size {saved} but this run uses {wanted}: convert it first "
+            f"with `{RESHARD_COMMAND} --input {checkpoint_name(path)} --pipeline-size {wanted} --output NEW.pt` "
+            "(then use NEW.pt)"
+        )
+
+
 def check_expert_shards(state: dict[str, Any], path: str, wanted: int) -> None:
     """Refuse a file of ``S`` expert shards where ``wanted`` shards are used (a
     consolidated checkpoint, ``S = 1``, needs ``wanted = 1``; its experts can be sharded again
@@ -375,12 +436,21 @@ def check_expert_shards(state: dict[str, Any], path: str, wanted: int) -> None:
 
 def check_checkpoint_name(filename: str, wanted: int) -> None:
     """One line for a checkpoint name that does not match ``--model-parallel-size``
-    ``wanted`` when fairseq's file for it is missing: a part named instead of the
-    checkpoint, a single file loaded with ``wanted > 1``, parts loaded with ``wanted = 1``."""
-    if PART_SUFFIX in os.path.basename(filename):
+    ``wanted`` when fairseq's file for it is missing: a part or stage named instead of the
+    checkpoint, a single file loaded with ``wanted > 1``, parts loaded with ``wanted = 1``,
+    pipeline stages loaded by a tool that runs one stage (``fairseq-eval-lm``, ``fairseq-generate``)."""
+    base = os.path.basename(filename)
+    if PART_SUFFIX in base or re.search(rf"{STAGE_SUFFIX}\d+(?:{SHARD_SUFFIX}\d+)?\.pt$", base):
         raise TsConfigError(
-            f"{filename} names one checkpoint part: pass the name without '{PART_SUFFIX}K' "
-            "(fairseq appends each rank's part suffix itself)"
+            f"{filename} names one checkpoint part or pipeline stage: pass the name without '{PART_SUFFIX}K' "
+            f"and '{STAGE_SUFFIX}P' (fairseq appends each rank's suffix itself)"
+        )
+    stages = [position for position in _grid_positions(filename) if position[1] is not None]
+    if stages:
+        count = 1 + max(position[1] for position in stages)
+        raise TsConfigError(
+            f"{filename} was saved as {count} pipeline stages ({filename[:-3]}{STAGE_SUFFIX}P.pt): merge them first with "
+            f"`{RESHARD_COMMAND} --input {filename} --pipeline-size 1 --size {wanted} --output NEW.pt` (then use NEW.pt)"
         )
     if wanted > 1 and os.path.exists(filename):
         raise TsConfigError(reshard_hint(filename, 1, wanted))

@@ -1,8 +1,8 @@
 """``ts-consolidate-experts``: merge the per-rank shards of an expert-parallel checkpoint
-(``checkpoint_X-shard<r>.pt``, or ``checkpoint_X-model_part-<k>-shard<r>.pt`` under
-tensor parallelism) into one checkpoint per tensor-parallel part, which
+(``checkpoint_X-shard<r>.pt``, or ``checkpoint_X-model_part-<k>-stage<p>-shard<r>.pt`` under
+tensor and pipeline parallelism) into one checkpoint per tensor-parallel part and pipeline stage, which
 ``fairseq-generate`` and ``fairseq-eval-lm`` load on a single process (or on one process
-per part; ``ts-reshard --size 1`` makes the parts one file).
+per part; ``ts-reshard --size 1 --pipeline-size 1`` makes the parts and stages one file).
 
 Each shard's rank comes from the layout it records (:mod:`torchscale_fairseq.checkpoints`);
 the expert tensors of the ranks of one all-to-all group are concatenated along the expert
@@ -12,8 +12,8 @@ identical dense weights, identical expert replicas, and exactly one shard for ev
 The optimizer state (sharded) is not kept.
 
 Usage: ``ts-consolidate-experts CHECKPOINT_DIR/checkpoint_best.pt -o OUT.pt`` (the shards
-``checkpoint_best[-model_part-K]-shard*.pt`` are found; parts are written as
-``OUT-model_part-K.pt``) or ``ts-consolidate-experts SHARD... -o OUT.pt`` (the shards of
+``checkpoint_best[-model_part-K][-stageP]-shard*.pt`` are found; parts and stages are written as
+``OUT[-model_part-K][-stageP].pt``) or ``ts-consolidate-experts SHARD... -o OUT.pt`` (the shards of
 one part).
 """
 
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.checkpoints) == 1 and not os.path.exists(args.checkpoints[0]):
         files = find_checkpoint_files(args.checkpoints[0], "the path")
         grid = {position: read_checkpoint_file(path) for position, path in files.paths.items()}
-        merged = consolidate_grid(grid, files.tp_size, files.ep_size, files.paths)
-        outputs = {file_name(args.output, k, files.tp_size, 0, 1): state for (k, _), state in merged.items()}
+        merged = consolidate_grid(grid, files.tp_size, files.ep_size, files.paths, files.pp_size)
+        outputs = {file_name(args.output, k, files.tp_size, 0, 1, p, files.pp_size): state
+                   for (k, p, _), state in merged.items()}
         count = len(files.paths)
     else:
         for name in args.checkpoints:

@@ -4,8 +4,9 @@
   ``weights_only`` allow-list of :mod:`torchscale_fairseq.compat.safe_checkpoints`)
   names the file and what to do. Errors are told apart by where they were raised
   (inside ``torch.load``: the file), not by their wording.
-- Parts saved at another tensor-parallel size name the resharding tool, as do part
-  names that do not match ``--model-parallel-size``; expert shards where this process
+- Parts saved at another tensor-parallel size or pipeline size name the resharding tool, as
+  do part names that do not match ``--model-parallel-size`` and pipeline stages given to a
+  single-stage tool; expert shards where this process
   uses another number of them (e.g. one shard given to a single-process
   ``fairseq-eval-lm``) name the consolidation tool (the checks of
   :mod:`torchscale_fairseq.checkpoints.layout`).
@@ -24,6 +25,7 @@ from fairseq import checkpoint_utils
 from torchscale_fairseq.checkpoints.layout import (
     check_checkpoint_name,
     check_expert_shards,
+    check_pipeline_size,
     check_tensor_parallel_size,
     read_record,
 )
@@ -68,6 +70,7 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         raise
     parallel = current_parallel_context()
     check_tensor_parallel_size(state, path, parallel.tensor_size)
+    check_pipeline_size(state, path, parallel.pipeline_size)
     if read_record(state).experts > 0:  # experts are sharded over the data-parallel ranks when there are several
         check_expert_shards(state, path, parallel.data_size)
     return state

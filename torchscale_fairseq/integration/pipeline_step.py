@@ -152,11 +152,6 @@ def run_pipeline_schedule(trainer: Any, samples: list[Any], training: bool) -> l
 
 def check_pipeline_run(cfg: Any, data_parallel_size: int, pipeline_size: int) -> None:
     """What a pipeline-parallel run cannot honour, refused in one line before any step."""
-    if not cfg.checkpoint.no_save:
-        raise TsConfigError(
-            f"--pipeline-model-parallel-size {pipeline_size} does not save checkpoints yet (each stage would need its "
-            "own file): pass --no-save, or train with --pipeline-model-parallel-size 1"
-        )
     backend = cfg.distributed_training.ddp_backend
     if data_parallel_size > 1 and backend not in ("legacy_ddp", "no_c10d"):
         raise TsConfigError(

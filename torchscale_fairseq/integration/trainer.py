@@ -30,13 +30,16 @@
   dropout masks (its seed offset by the pipeline rank, as Megatron-LM's);
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
-  ``-model_part-<k>`` part; every checkpoint records the tensor-parallel layout and the
-  RNG tracker; a failed write is one line and leaves the previous checkpoints intact.
+  ``-model_part-<k>`` part, under pipeline parallelism its own ``-stage<p>`` file (layers named
+  by their global index); every checkpoint records the tensor-parallel layout, the pipeline
+  stage and the RNG tracker; ranks whose files are of different updates (a save cut short) are
+  refused in one line; a failed write is one line and leaves the previous checkpoints intact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -50,6 +53,7 @@ from omegaconf import open_dict
 
 from torchscale_fairseq.checkpoints.layout import (
     RECORD_KEY,
+    PipelineRecord,
     checkpoint_name,
     checkpoint_suffix,
     describe,
@@ -68,6 +72,7 @@ from torchscale_fairseq.integration.tensor_parallel_init import multi_process_er
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
+from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key, parse_layer_counts, stage_layer_counts
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
@@ -79,6 +84,7 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 logger = logging.getLogger(__name__)
 
 EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
+DECODER_LAYERS = "decoder.layers."  # ts_lm's layer names (the pipelined model)
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
 
 
@@ -300,14 +306,30 @@ class TsTrainer(Trainer):
     def checkpoint_suffix(self) -> str:
         base = split_suffix(super().checkpoint_suffix)[0]  # without the part distributed_init appended
         ep_size, ep_rank = self.expert_parallel_size_and_rank
-        return checkpoint_suffix(self.parallel.tensor_rank, self.parallel.tensor_size, ep_rank, ep_size, base)
+        parallel = self.parallel
+        return checkpoint_suffix(parallel.tensor_rank, parallel.tensor_size, ep_rank, ep_size, base,
+                                 parallel.pipeline_rank, parallel.pipeline_size)
+
+    @property
+    def _saves_per_rank(self) -> bool:
+        """Every rank reads (and its data-parallel rank 0 writes) its own file."""
+        return self.is_expert_sharded or self.parallel.tensor_size > 1 or self.parallel.pipeline_size > 1
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         ep_size, ep_rank = self.expert_parallel_size_and_rank
+        pipeline, name = PipelineRecord(), str
+        if self.parallel.pipeline_size > 1:  # the model's state dict names layers by global index
+            model_cfg, size = self.cfg.model, self.parallel.pipeline_size
+            counts = stage_layer_counts(model_cfg.decoder_layers, size * model_cfg.virtual_pipeline_stages,
+                                        parse_layer_counts(model_cfg.pipeline_layers))
+            pipeline = PipelineRecord(size, self.parallel.pipeline_rank, model_cfg.virtual_pipeline_stages,
+                                      tuple(counts))
+            name = functools.partial(global_layer_key, layers_prefix=DECODER_LAYERS,
+                                     layer_indices=self.get_model().decoder.split.layer_indices)
         state["extra_state"][RECORD_KEY] = describe(
             self.get_model(), self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
-            get_rng_tracker().state_dict())
+            get_rng_tracker().state_dict(), pipeline, name)
         return state
 
     def save_checkpoint(self, filename: str, extra_state: dict):
@@ -330,8 +352,8 @@ class TsTrainer(Trainer):
         files = find_checkpoint_files(name)
         raise TsConfigError(
             f"{filename} does not exist but {name} was saved as {files.tp_size} tensor-parallel part(s) x "
-            f"{files.ep_size} expert shard(s): resume with that layout, or convert it (ts-reshard, "
-            "ts-consolidate-experts) and start from the result with --restore-file"
+            f"{files.pp_size} pipeline stage(s) x {files.ep_size} expert shard(s): resume with that layout, or "
+            "convert it (ts-reshard, ts-consolidate-experts) and start from the result with --restore-file"
         )
 
     def _check_ranks_resume_together(self, filename: str) -> None:
@@ -358,12 +380,11 @@ class TsTrainer(Trainer):
 
     def load_checkpoint(self, filename, *args, **kwargs):
         self._check_saved_layout(filename)
-        if self.is_expert_sharded or self.parallel.tensor_size > 1:
-            # every rank reads its own shard / part (no broadcast from data-parallel rank 0)
+        if self._saves_per_rank:  # every rank reads its own shard / part / stage (no broadcast)
             with open_dict(self.cfg):
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
         extra_state = super().load_checkpoint(filename, *args, **kwargs)
-        if self.is_expert_sharded or self.parallel.tensor_size > 1:
+        if self._saves_per_rank:
             self._check_ranks_resume_together(filename)
         saved = (extra_state or {}).get(RECORD_KEY) or {}
         if saved.get("size") == self.parallel.tensor_size and saved.get("rng"):

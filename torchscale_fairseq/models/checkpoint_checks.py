@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -14,6 +14,7 @@ def check_state_dict_shapes(model: torch.nn.Module, state_dict: Mapping[str, tor
     """One-line error for the common mismatches: dictionary size, model size, and experts split
     over the tensor-parallel ranks where the model has them whole (or the reverse)."""
     own = model.state_dict()
+    check_layers(own, state_dict)
     params = dict(model.named_parameters())
     tensor_parallel = any(sharded_dim(p) is not None for p in params.values())
     for name, tensor in state_dict.items():
@@ -37,6 +38,38 @@ def check_state_dict_shapes(model: torch.nn.Module, state_dict: Mapping[str, tor
             f"{tuple(own[name].shape)}: use the same --arch and model flags as the checkpoint "
             "(or the resharding tool if it was saved at another --model-parallel-size)"
         )
+
+
+def check_layers(own: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> None:
+    """One line when the checkpoint holds other layers than the model (a pipeline stage: its
+    own layers, by global index): another ``--decoder-layers`` or another pipeline split."""
+    for prefix in LAYER_PREFIXES:
+        held, saved = _layer_indices(own, prefix), _layer_indices(state_dict, prefix)
+        if held != saved:
+            raise TsConfigError(
+                f"the checkpoint holds {prefix}{_ranges(saved)} but this model (pipeline stage) holds "
+                f"{prefix}{_ranges(held)}: use the checkpoint's --decoder-layers and pipeline split "
+                "(--pipeline-model-parallel-size, --virtual-pipeline-stages, --pipeline-layers), or convert it "
+                "with `ts-reshard --pipeline-size`"
+            )
+
+
+LAYER_PREFIXES = ("decoder.layers.", "encoder.layers.")
+
+
+def _layer_indices(keys: Mapping[str, Any], prefix: str) -> list[int]:
+    return sorted({int(k[len(prefix):].split(".", 1)[0]) for k in keys if k.startswith(prefix)})
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"{0-2,5}"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "{" + ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs) + "}"
 
 
 def _expert_split_mismatch(name: str, own: torch.Tensor, saved: torch.Tensor, params: dict, tensor_parallel: bool) -> bool:
