@@ -126,11 +126,15 @@ stability_search_cell() {  # BACKBONE LAYERS SEED
   fi
   echo "search $1 L$2 s$3 done $(date -u +%H:%M:%S)"
 }
+# STAB_SEEDS and STAB_BACKBONES narrow the search to what a stage holds, e.g. 50 layers, seed 1:
+#   STAB_DEPTHS=50 STAB_SEEDS=1 STAB_BACKBONES="postln deepnorm" bash docs/results/run.sh stability_search
+STAB_SEEDS="${STAB_SEEDS:-${SEEDS[*]}}"
+STAB_BACKBONES="${STAB_BACKBONES:-postln deepnorm magneto preln}"
 stability_search() {
   local layers seed backbone
   for layers in $STAB_DEPTHS; do
-    for seed in "${SEEDS[@]}"; do
-      for backbone in postln deepnorm magneto preln; do sched stability_search_cell "$backbone" "$layers" "$seed"; done
+    for seed in $STAB_SEEDS; do
+      for backbone in $STAB_BACKBONES; do sched stability_search_cell "$backbone" "$layers" "$seed"; done
     done
   done
   wait
