@@ -26,6 +26,8 @@ one-process runs' own checkpoints and logs:
 - the merged interleaved (V = 2) and P = 2 x DP = 2 X-MoE checkpoints (experts consolidated,
   stages merged, as ``ts-export-hf`` reads them) hold the one-process run's weights;
 - P = 2, V = 2 -> 1 -> P = 2, V = 2 gives back every file bitwise (weights, moments, record);
+- P = 2 x TP = 2 with dropout on: replicated tensors stay bitwise equal across the parts of a
+  stage, the tied embedding's copy across the stages;
 - ``fairseq-eval-lm`` given the stages is a one-line error naming the conversion.
 """
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import make_corpora, relative_close, run_jobs, train_records
+from mp_helpers import assert_replicated_across_parts, make_corpora, relative_close, run_jobs, train_records
 
 from torchscale_fairseq.cli import consolidate_experts, reshard
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
@@ -72,6 +74,8 @@ RUNS = {  # name: (update-freq, world, flags, reference)
     "pp4_tied": (4, 4, ("--pipeline-model-parallel-size", "4", *TIED), "one_tied"),
     "pp2_tp2_tied": (4, 4, (*PP2, "--model-parallel-size", "2", *TIED), "one_tied"),
     "pp2_tp2_sp": (4, 4, (*PP2, "--model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations"), "one"),
+    "pp2_tp2_dropout": (4, 4, (*PP2, "--model-parallel-size", "2", *TIED, "--dropout", "0.1", "--attention-dropout",
+                               "0.1"), None),
     "moe_pp2_interleaved": (4, 2, (*PP2, "--virtual-pipeline-stages", "2", *MOE), "moe_one"),
     "moe_pp2_dp2": (4, 4, (*PP2, *MOE, "--zero-sharding", "os"), "moe_one_uf8"),
 }
@@ -103,7 +107,7 @@ def runs(tmp_path_factory) -> dict:
     return {"logs": logs, "codes": codes, "root": root, "lm_bin": lm_bin}
 
 
-SAVED = ("one_tied", "pp4_tied", "one", "pp2_interleaved", "moe_one_uf8", "moe_pp2_dp2")
+SAVED = ("one_tied", "pp4_tied", "one", "pp2_interleaved", "moe_one_uf8", "moe_pp2_dp2", "pp2_tp2_dropout")
 
 
 def _valid_losses(log: Path) -> list[float]:
@@ -186,6 +190,21 @@ def test_merged_stages_hold_the_one_process_weights(runs, name, reference):
     assert list(merged) == list(want)
     for key, value in want.items():
         assert torch.allclose(merged[key], value, rtol=1e-4, atol=1e-5), key
+
+
+def test_dropout_keeps_tensor_parallel_replicas_and_tied_copies_bitwise_equal(runs):
+    """P = 2 x TP = 2 with dropout on, 4 updates: in each stage every tensor the attribute registry
+    does not mark as split (and its Adam moments) is bitwise equal in both parts, and in each part
+    the last stage's copy of the tied embedding equals the first stage's embedding."""
+    save = runs["root"] / "pp2_tp2_dropout"
+    for stage in (0, 1):
+        replicated = assert_replicated_across_parts(
+            [save / f"checkpoint_last-model_part-{k}-stage{stage}.pt" for k in (0, 1)])
+        assert any(key.endswith("fc2.bias") for key in replicated), replicated
+    for part in (0, 1):
+        first, last = (torch.load(save / f"checkpoint_last-model_part-{part}-stage{p}.pt", weights_only=True)["model"]
+                       for p in (0, 1))
+        assert torch.equal(first["decoder.embed.embed_tokens.weight"], last["decoder.tied_output.weight"])
 
 
 def test_stages_round_trip_through_one_stack_bitwise(runs, tmp_path):
