@@ -51,6 +51,7 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
+from torchscale_fairseq.checkpoints.convert import LAYERS_PREFIX
 from torchscale_fairseq.checkpoints.layout import (
     RECORD_KEY,
     PipelineRecord,
@@ -72,7 +73,7 @@ from torchscale_fairseq.integration.tensor_parallel_init import multi_process_er
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
-from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key, parse_layer_counts, stage_layer_counts
+from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
@@ -84,7 +85,6 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 logger = logging.getLogger(__name__)
 
 EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
-DECODER_LAYERS = "decoder.layers."  # ts_lm's layer names (the pipelined model)
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
 
 
@@ -320,13 +320,10 @@ class TsTrainer(Trainer):
         ep_size, ep_rank = self.expert_parallel_size_and_rank
         pipeline, name = PipelineRecord(), str
         if self.parallel.pipeline_size > 1:  # the model's state dict names layers by global index
-            model_cfg, size = self.cfg.model, self.parallel.pipeline_size
-            counts = stage_layer_counts(model_cfg.decoder_layers, size * model_cfg.virtual_pipeline_stages,
-                                        parse_layer_counts(model_cfg.pipeline_layers))
-            pipeline = PipelineRecord(size, self.parallel.pipeline_rank, model_cfg.virtual_pipeline_stages,
-                                      tuple(counts))
-            name = functools.partial(global_layer_key, layers_prefix=DECODER_LAYERS,
-                                     layer_indices=self.get_model().decoder.split.layer_indices)
+            split = self.get_model().decoder.split
+            pipeline = PipelineRecord(self.parallel.pipeline_size, self.parallel.pipeline_rank, split.chunks,
+                                      split.counts)
+            name = functools.partial(global_layer_key, layers_prefix=LAYERS_PREFIX, layer_indices=split.layer_indices)
         state["extra_state"][RECORD_KEY] = describe(
             self.get_model(), self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
             get_rng_tracker().state_dict(), pipeline, name)

@@ -77,26 +77,28 @@ def chunk_layer_ranges(counts: Sequence[int], pipeline_size: int, pipeline_rank:
 
 @dataclass(frozen=True)
 class PipelineSplit:
-    """This rank's part of a stack of ``layers`` split into ``stages`` global stages: the global
-    stage and the global layer indices of each of its chunks. One process holds the whole stack
-    as one chunk (:meth:`whole`)."""
+    """This rank's part of a stack of ``layers`` split into ``stages`` global stages of ``counts``
+    layers each: the global stage and the global layer indices of each of its chunks. One process
+    holds the whole stack as one chunk (:meth:`whole`)."""
 
     layers: int
     stages: int
     chunk_stages: tuple[int, ...]
     chunk_layers: tuple[range, ...]
+    counts: tuple[int, ...]
 
     @classmethod
     def whole(cls, layers: int) -> PipelineSplit:
-        return cls(layers, 1, (0,), (range(layers),))
+        return cls(layers, 1, (0,), (range(layers),), (layers,))
 
     @classmethod
     def for_rank(cls, layers: int, pipeline_size: int, pipeline_rank: int, chunks: int = 1,
                  counts: Sequence[int] | None = None) -> PipelineSplit:
         stages = pipeline_size * chunks
-        ranges = chunk_layer_ranges(stage_layer_counts(layers, stages, counts), pipeline_size, pipeline_rank)
+        counts = stage_layer_counts(layers, stages, counts)
+        ranges = chunk_layer_ranges(counts, pipeline_size, pipeline_rank)
         return cls(layers, stages, tuple(global_stage(c, pipeline_rank, pipeline_size) for c in range(chunks)),
-                   tuple(ranges))
+                   tuple(ranges), tuple(counts))
 
     @property
     def chunks(self) -> int:
