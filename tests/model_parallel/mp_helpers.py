@@ -20,6 +20,9 @@ USER_DIR = REPO / "torchscale_fairseq"
 BIN = Path(sys.executable).parent
 UNROUNDED = Path(__file__).resolve().parent / "unrounded_cli.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+# a CPU rank on a GPU machine would still open a CUDA context (~500 MB of GPU memory each; the
+# suite's ~160 ranks run the GPU out of memory): CPU ranks see no GPU
+CPU_ENV = {**ENV, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def dist_flags(world: int, rank: int, init_method: str) -> list[str]:
@@ -34,11 +37,12 @@ def dist_flags(world: int, rank: int, init_method: str) -> list[str]:
     ]
 
 
-def launch(cmd: Sequence[str], log: Path) -> subprocess.Popen | prewarmed.PrewarmedProcess:
-    """Start ``cmd`` (a Python program: from the prewarmed server) with its output in ``log``."""
+def launch(cmd: Sequence[str], log: Path, cpu: bool = True) -> subprocess.Popen | prewarmed.PrewarmedProcess:
+    """Start ``cmd`` (a Python program: from the prewarmed server) with its output in ``log``;
+    ``cpu``: without the GPUs."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        return prewarmed.popen(cmd, out, env=ENV, cwd=REPO)
+        return prewarmed.popen(cmd, out, env=CPU_ENV if cpu else ENV, cwd=REPO)
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
@@ -50,11 +54,12 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 3
 
 def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: float = 180) -> dict:
     """Run ``python WORKER RANK WORLD INIT_METHOD OUT.json [EXTRA...]`` on ``world`` gloo
-    ranks (logs in ``out``); return the JSON rank 0 wrote."""
+    ranks (NCCL with ``cuda`` in ``extra``; logs in ``out``); return the JSON rank 0 wrote."""
     init_method = rendezvous_url(out)
     result = out / "results.json"
     logs = [out / f"rank{r}.log" for r in range(world)]
-    procs = [launch([sys.executable, str(worker), str(r), str(world), init_method, str(result), *extra], logs[r])
+    procs = [launch([sys.executable, str(worker), str(r), str(world), init_method, str(result), *extra], logs[r],
+                    cpu="cuda" not in extra)
              for r in range(world)]
     wait_all(procs, logs, timeout=timeout)
     return json.loads(result.read_text())

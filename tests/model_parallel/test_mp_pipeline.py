@@ -15,6 +15,8 @@ process with the same ``--update-freq`` (the pipeline's micro-batches), dropout 
   against one process
   accumulating both pipelines' batches (``--update-freq 8``): also the balance and z-losses, the
   load CVs, the drop fraction and SparseClip's dense and expert norms;
+- a 4-layer ``ts_mlm`` (``masked_lm``; the encoder split, the BERT head and the embedding's copy
+  on the last stage) at P = 2, and at P = 2 x TP = 2 with ``--sequence-parallel``;
 - what a pipelined run cannot honour is a one-line error on every rank before any step.
 
 Checkpoints (each stage its own ``-stage<p>`` file, layers named by global index), against the
@@ -22,9 +24,10 @@ one-process runs' own checkpoints and logs:
 
 - ``ts-reshard --pipeline-size 1`` of the P = 4 (tied) checkpoint: ``fairseq-eval-lm`` on it equals
   the pipelined run's last validation loss, and one process resumed from its update-2 checkpoint
-  makes the one-process run's updates 3 and 4 (the Adam moments came along);
-- the merged interleaved (V = 2) and P = 2 x DP = 2 X-MoE checkpoints (experts consolidated,
-  stages merged, as ``ts-export-hf`` reads them) hold the one-process run's weights;
+  makes the one-process run's updates 3 and 4 (the Adam moments came along); the same resume
+  from the ``ts_mlm`` P = 2 run's;
+- the merged interleaved (V = 2), P = 2 x DP = 2 X-MoE (experts consolidated) and ``ts_mlm`` P = 2
+  checkpoints (stages merged, as ``ts-export-hf`` reads them) hold the one-process run's weights;
 - P = 2, V = 2 -> 1 -> P = 2, V = 2 gives back every file bitwise (weights, moments, record);
 - P = 2 x TP = 2 with dropout on: replicated tensors stay bitwise equal across the parts of a
   stage, the tied embedding's copy across the stages;
@@ -56,6 +59,13 @@ def lm_args(data: Path, update_freq: int, *extra: str) -> list[str]:
             "--update-freq", str(update_freq), *COMMON, *extra]
 
 
+def mlm_args(data: Path, update_freq: int, *extra: str) -> list[str]:
+    return [str(data), "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "ts_mlm_tiny", "--encoder-layers",
+            "4", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128", "--encoder-attention-heads", "4",
+            "--tokens-per-sample", "32", "--sample-break-mode", "none", "--batch-size", "4", "--max-update",
+            str(UPDATES), "--update-freq", str(update_freq), *COMMON, *extra]
+
+
 PP2 = ("--pipeline-model-parallel-size", "2")
 TIED = ("--share-decoder-input-output-embed",)
 # X-MoE (Magneto's default backbone, xmoe router) in layers 2 and 4 with SparseClip and the z-loss;
@@ -78,6 +88,9 @@ RUNS = {  # name: (update-freq, world, flags, reference)
                                "0.1"), None),
     "moe_pp2_interleaved": (4, 2, (*PP2, "--virtual-pipeline-stages", "2", *MOE), "moe_one"),
     "moe_pp2_dp2": (4, 4, (*PP2, *MOE, "--zero-sharding", "os"), "moe_one_uf8"),
+    "mlm_one": (4, 1, (), None),  # (names starting with mlm_: ts_mlm, mlm_args)
+    "mlm_pp2": (4, 2, PP2, "mlm_one"),
+    "mlm_pp2_tp2_sp": (4, 4, (*PP2, "--model-parallel-size", "2", "--sequence-parallel"), "mlm_one"),
 }
 ERRORS = {  # name: (world, flags, expected error)
     "pipeline_larger_than_world": (2, ("--pipeline-model-parallel-size", "3"), "pipeline-parallel size 3 does not divide"),
@@ -95,7 +108,8 @@ ERRORS = {  # name: (world, flags, expected error)
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pp")
     lm_bin, _ = make_corpora(root)
-    jobs = {name: ("fairseq-train", lm_args(lm_bin, update_freq, *flags), world)
+    jobs = {name: ("fairseq-train", (mlm_args if name.startswith("mlm_") else lm_args)(lm_bin, update_freq, *flags),
+                   world)
             for name, (update_freq, world, flags, _) in RUNS.items()}
     for name in SAVED:
         args = jobs[name][1]
@@ -107,7 +121,8 @@ def runs(tmp_path_factory) -> dict:
     return {"logs": logs, "codes": codes, "root": root, "lm_bin": lm_bin}
 
 
-SAVED = ("one_tied", "pp4_tied", "one", "pp2_interleaved", "moe_one_uf8", "moe_pp2_dp2", "pp2_tp2_dropout")
+SAVED = ("one_tied", "pp4_tied", "one", "pp2_interleaved", "moe_one_uf8", "moe_pp2_dp2", "pp2_tp2_dropout", "mlm_one",
+         "mlm_pp2")
 
 
 def _valid_losses(log: Path) -> list[float]:
@@ -144,11 +159,14 @@ def test_pipeline_bad_inputs_are_one_line_errors(runs, name):
 @pytest.fixture(scope="module")
 def converted(runs, tmp_path_factory) -> dict:
     """The P = 4 checkpoints merged (``ts-reshard``), then at once: fairseq-eval-lm on the merged
-    last checkpoint and on the stages, one process resumed from the merged update-2 checkpoint."""
+    last checkpoint and on the stages, one process resumed from the merged update-2 checkpoint (and
+    from the ts_mlm P = 2 run's)."""
     root, out = runs["root"], tmp_path_factory.mktemp("pp_converted")
     for name in ("checkpoint_1_2", "checkpoint_last"):
         reshard.main(["--input", str(root / "pp4_tied" / f"{name}.pt"), "--pipeline-size", "1",
                       "--output", str(out / f"{name}.pt")])
+    reshard.main(["--input", str(root / "mlm_pp2" / "checkpoint_1_2.pt"), "--pipeline-size", "1",
+                  "--output", str(out / "mlm_1_2.pt")])
     resume_args = lm_args(runs["lm_bin"], 4, *TIED)
     evaluate = [str(runs["lm_bin"]), "--task", "language_modeling", "--tokens-per-sample", "32", "--batch-size", "4",
                 "--gen-subset", "valid", "--path"]
@@ -156,8 +174,10 @@ def converted(runs, tmp_path_factory) -> dict:
         "eval_merged": ("fairseq-eval-lm", [*evaluate, str(out / "checkpoint_last.pt")], 1),
         "eval_stages": ("fairseq-eval-lm", [*evaluate, str(root / "pp4_tied" / "checkpoint_last.pt")], 1),
     }, out, must_fail=["eval_stages"])
-    resumed, _ = run_jobs({"resumed": ("fairseq-train", [*resume_args, "--restore-file", str(out / "checkpoint_1_2.pt")],
-                                       1)}, out, unrounded=True)
+    resumed, _ = run_jobs({
+        "resumed": ("fairseq-train", [*resume_args, "--restore-file", str(out / "checkpoint_1_2.pt")], 1),
+        "mlm_resumed": ("fairseq-train", [*mlm_args(runs["lm_bin"], 4), "--restore-file", str(out / "mlm_1_2.pt")], 1),
+    }, out, unrounded=True)
     return {"logs": {**logs, **resumed}, "out": out}
 
 
@@ -167,10 +187,13 @@ def test_eval_lm_on_the_merged_stages_equals_the_pipelined_validation(runs, conv
     assert relative_close(loss, _valid_losses(runs["logs"]["pp4_tied"][0])[-1], 1e-4), loss
 
 
-def test_one_process_resumes_the_merged_stages_like_one_process(runs, converted):
-    text = converted["logs"]["resumed"][0].read_text()
+@pytest.mark.parametrize("resumed,reference", [("resumed", "one_tied"), ("mlm_resumed", "mlm_one")])
+def test_one_process_resumes_the_merged_stages_like_one_process(runs, converted, resumed, reference):
+    """ts_lm P = 4 (tied) and ts_mlm P = 2 (its head's bias first in one process's parameter order):
+    the merged update-2 checkpoint's weights and Adam moments make one process's updates 3 and 4."""
+    text = converted["logs"][resumed][0].read_text()
     assert "Loaded checkpoint" in text and "@ 2 updates" in text
-    ours, theirs = train_records(converted["logs"]["resumed"][0]), train_records(runs["logs"]["one_tied"][0])[2:]
+    ours, theirs = train_records(converted["logs"][resumed][0]), train_records(runs["logs"][reference][0])[2:]
     assert [r["num_updates"] for r in ours] == ["3", "4"]
     for a, b in zip(ours, theirs):
         for key in ("loss", "gnorm"):
@@ -183,7 +206,7 @@ def test_eval_lm_on_the_stages_is_one_line(converted):
 
 
 @pytest.mark.parametrize("name,reference", [("pp4_tied", "one_tied"), ("pp2_interleaved", "one"),
-                                            ("moe_pp2_dp2", "moe_one_uf8")])
+                                            ("moe_pp2_dp2", "moe_one_uf8"), ("mlm_pp2", "mlm_one")])
 def test_merged_stages_hold_the_one_process_weights(runs, name, reference):
     merged = load_single_process_state(str(runs["root"] / name / "checkpoint_last.pt"))["model"]
     want = load_single_process_state(str(runs["root"] / reference / "checkpoint_last.pt"))["model"]

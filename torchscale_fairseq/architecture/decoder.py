@@ -6,8 +6,7 @@ under ``"moe"`` (the encoder's first, then its own).
 
 Under pipeline parallelism a rank holds its stages' layers (``cfg.split``), the first stage the
 embedding, the last the final LayerNorm and output layer (and, with tied embeddings, a copy of
-the embedding); :meth:`TransformerDecoder.set_pipeline_input` says which chunk the next forward
-runs and on which hidden states."""
+the embedding; :class:`~torchscale_fairseq.architecture.pipeline_stage.PipelineStage`)."""
 
 from __future__ import annotations
 
@@ -20,15 +19,11 @@ from fairseq.models import FairseqIncrementalDecoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, tied_output_copy
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
-from torchscale_fairseq.model_parallel.attributes import (
-    mark_pipeline_tied,
-    mark_sequence_parallel,
-    mark_vocab_padded,
-)
+from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
-from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key, local_layer_key
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
@@ -36,7 +31,7 @@ from torchscale_fairseq.modules.relative_position_bias import RelativePositionBi
 _STEP_KEY = "ts_decoder_step"
 
 
-class TransformerDecoder(FairseqIncrementalDecoder):
+class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
     def __init__(
         self, cfg: StackConfig, dictionary, embed_tokens: nn.Module, cross_attention: bool = True,
         adaptive_softmax: Optional[nn.Module] = None,
@@ -45,20 +40,12 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         ``forward`` then returns the final features, as fairseq's ``TransformerDecoder`` does."""
         super().__init__(dictionary)
         self.cfg = cfg
-        self.split = cfg.split
         self.padding_idx = dictionary.pad()
         self.vocab_size = len(dictionary)
-        # a pipeline stage builds every module and keeps its own: each parameter then gets the
-        # value one process gives it (one RNG stream); memory holds one other layer at most
-        embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        self.embed = embed if self.split.holds_first_stage else None
-        layers = []
-        for i in range(cfg.layers):
-            layer = wrap_layer(TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")),
-                               cfg)
-            if self.split.holds_layer(i):
-                layers.append(layer)
-        self.layers = nn.ModuleList(layers)
+        embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)  # (drawn first, as in one process)
+        self.embed = embed if cfg.split.holds_first_stage else None
+        self.layers = self.init_stage(cfg, lambda i: wrap_layer(
+            TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")), cfg))
         last = self.split.holds_last_stage
         self.layer_norm = (nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
                            if cfg.backbone.normalize_before and last else None)
@@ -78,26 +65,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             )
             mark_vocab_padded(projection.weight, self.vocab_size)
             self.output_projection = projection if last else None
-        # the last stage's copy of a tied embedding (a pipeline whose first stage is elsewhere)
-        self.tied_output = None
-        if cfg.share_input_output_embed and self.split.stages > 1 and (self.split.holds_first_stage or last):
-            mark_pipeline_tied(embed_tokens.weight, "original" if self.split.holds_first_stage else "copy")
-            if not self.split.holds_first_stage:
-                self.tied_output = embed_tokens
-        starts = [0]
-        for layer_range in self.split.chunk_layers:
-            starts.append(starts[-1] + len(layer_range))
-        self._chunk_layers = [slice(a, b) for a, b in zip(starts, starts[1:])]
-        self._pipeline_chunk = 0
-        self._pipeline_input: Optional[torch.Tensor] = None
-        if self.split.stages > 1:  # a stage's state dict names its layers as one process does
-            self.register_state_dict_post_hook(_global_layer_keys)
-            self.register_load_state_dict_pre_hook(_local_layer_keys)
-
-    def set_pipeline_input(self, chunk: int, hidden: Optional[torch.Tensor]) -> None:
-        """The next forward runs chunk ``chunk`` of this rank (Megatron-LM's ``set_input_tensor``)
-        on ``hidden``, the previous stage's output (``None`` on the first stage: the embedding)."""
-        self._pipeline_chunk, self._pipeline_input = chunk, hidden
+        self.tied_output = tied_output_copy(self.split, embed_tokens) if cfg.share_input_output_embed else None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -117,7 +85,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens)
-        if not features_only and self.split.is_last(self._pipeline_chunk):
+        if not features_only and self.runs_last_stage:
             x = self.output_layer(x)
         return x, extra
 
@@ -135,8 +103,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         split = is_split(self.cfg, self.training)
         if split:
             prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
-        chunk, hidden = self._pipeline_chunk, self._pipeline_input
-        self._pipeline_input = None
+        chunk, hidden = self.take_pipeline_input()
         x = self.embed(prev_output_tokens, last_only=incremental) if self.split.is_first(chunk) else hidden
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
@@ -161,7 +128,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             memory_mask = mask if mask is not None and bool(mask.any()) else None
         states = [x] if return_all_hiddens else []
         moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
-        for layer in self.layers[self._chunk_layers[chunk]]:
+        for layer in self.chunk_layers(chunk):
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
@@ -211,22 +178,3 @@ class TransformerDecoder(FairseqIncrementalDecoder):
     def max_positions(self) -> int:
         return self.cfg.max_positions
 
-
-def _global_layer_keys(module: TransformerDecoder, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State-dict hook of a pipeline stage: local layer ``j`` saved as its global index."""
-    _rename_keys(state_dict, lambda key: global_layer_key(key, f"{prefix}layers.", module.split.layer_indices))
-
-
-def _local_layer_keys(module: TransformerDecoder, state_dict: dict, prefix: str, *unused: Any) -> None:
-    """Load hook of a pipeline stage: global layer indices back to local ones (a layer of another
-    stage keeps its name; :func:`~torchscale_fairseq.models.checkpoint_checks.check_state_dict_shapes`
-    refuses such a checkpoint first)."""
-    indices = module.split.layer_indices
-    _rename_keys(state_dict, lambda key: local_layer_key(key, f"{prefix}layers.", indices) or key)
-
-
-def _rename_keys(state_dict: dict, rename) -> None:
-    """Rename every key of ``state_dict`` in place, keeping the order."""
-    items = list(state_dict.items())
-    state_dict.clear()
-    state_dict.update((rename(key), value) for key, value in items)

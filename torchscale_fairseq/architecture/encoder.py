@@ -1,5 +1,10 @@
 """Transformer encoder (bidirectional). Output is batch-first: ``encoder_out`` (B, S, C);
-``moe`` holds the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux`."""
+``moe`` holds the MoE layers' :class:`~torchscale_fairseq.modules.moe.balance.MoEAux`.
+
+Under pipeline parallelism (``ts_mlm``) a rank holds its stages' layers (``cfg.split``), the first
+stage the embedding, the last the final LayerNorm
+(:class:`~torchscale_fairseq.architecture.pipeline_stage.PipelineStage`); a stage before the last
+returns its chunk's output hidden states as ``encoder_out``."""
 
 from __future__ import annotations
 
@@ -12,22 +17,24 @@ from fairseq.models import FairseqEncoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.architecture.pipeline_stage import PipelineStage
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens, sequence_slice
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
 
-class TransformerEncoder(FairseqEncoder):
+class TransformerEncoder(FairseqEncoder, PipelineStage):
     def __init__(self, cfg: StackConfig, dictionary, embed_tokens: nn.Module) -> None:
         super().__init__(dictionary)
         self.cfg = cfg
         self.padding_idx = dictionary.pad()
-        self.embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)
-        self.layers = nn.ModuleList([
-            wrap_layer(TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")), cfg) for i in range(cfg.layers)
-        ])
-        self.layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if cfg.backbone.normalize_before else None
+        embed = InputEmbedding(cfg, embed_tokens, self.padding_idx)  # (drawn first, as in one process)
+        self.embed = embed if cfg.split.holds_first_stage else None
+        self.layers = self.init_stage(cfg, lambda i: wrap_layer(TransformerLayer(cfg, ffn=build_ffn(cfg, i, f"enc{i}")),
+                                                                 cfg))
+        self.layer_norm = (nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
+                           if cfg.backbone.normalize_before and self.split.holds_last_stage else None)
         if cfg.sequence_parallel and self.layer_norm is not None:
             mark_sequence_parallel(self.layer_norm.parameters())
         self.rel_pos = (
@@ -47,23 +54,28 @@ class TransformerEncoder(FairseqEncoder):
         tokens = pad_tokens(src_tokens, self.cfg, self.padding_idx) if split else src_tokens
         padding_mask = tokens.eq(self.padding_idx)
         has_pad = bool(padding_mask.any())
-        x = self.embed(tokens)
-        if has_pad:
-            x = x.masked_fill((sequence_slice(padding_mask, self.cfg) if split else padding_mask).unsqueeze(-1), 0.0)
+        chunk, hidden = self.take_pipeline_input()
+        if self.split.is_first(chunk):
+            x = self.embed(tokens)
+            if has_pad:
+                x = x.masked_fill((sequence_slice(padding_mask, self.cfg) if split else padding_mask).unsqueeze(-1), 0.0)
+        else:
+            x = hidden
         bias = self.rel_pos(tokens.size(1), tokens.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
         states = [x] if return_all_hiddens else []
         moe = []
-        for layer in self.layers:
+        for layer in self.chunk_layers(chunk):
             x, aux = layer(x, padding_mask=mask, self_attn_bias=bias)
             if aux is not None:
                 moe.append(aux)
             if return_all_hiddens:
                 states.append(x)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        if split:
-            x, padding_mask = gather_sequence(x, self.cfg, length), padding_mask[:, :length]
+        if self.split.is_last(chunk):
+            if self.layer_norm is not None:
+                x = self.layer_norm(x)
+            if split:
+                x, padding_mask = gather_sequence(x, self.cfg, length), padding_mask[:, :length]
         return {
             "encoder_out": [x],
             "encoder_padding_mask": [padding_mask],

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,12 +42,46 @@ from torchscale_fairseq.model_parallel.pipeline_parallel import chunk_layer_rang
 # grids of loaded states: states[(tp_rank, pp_rank, ep_rank)]
 Grid = dict[tuple[int, int, int], dict[str, Any]]
 
-# ts_lm's names (the pipelined model): the first stage's embedding, the layers, the last stage's
-# copy of a tied embedding; every other tensor (final LayerNorm, output layer) is the last stage's
-EMBEDDING_PREFIX = "decoder.embed."
-EMBEDDING = "decoder.embed.embed_tokens.weight"
-LAYERS_PREFIX = "decoder.layers."
-TIED_COPY = "decoder.tied_output.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackNames:
+    """Where a pipelined model's tensors sit in its state dict: the first stage's embedding, the
+    layers, the last stage's copy of a tied embedding; every other tensor (final LayerNorm,
+    output layer, ``ts_mlm``'s head) is the last stage's. ``leading``: tensors of the last stage that
+    one process orders before the embedding (a module's own parameters come before its
+    submodules'), so that a merged file lists parameters, and their optimizer moments, in the
+    one-process model's order."""
+
+    stack: str  # the prefix of the layer stack the pipeline splits
+    tied_copy: str
+    leading: tuple[str, ...] = ()
+
+    @property
+    def embedding_prefix(self) -> str:
+        return f"{self.stack}embed."
+
+    @property
+    def embedding(self) -> str:
+        return f"{self.stack}embed.embed_tokens.weight"
+
+    @property
+    def layers_prefix(self) -> str:
+        return f"{self.stack}layers."
+
+    @property
+    def output_projection_prefix(self) -> str:
+        return f"{self.stack}output_projection."
+
+
+LM_STACK = StackNames("decoder.", "decoder.tied_output.weight")  # ts_lm
+MLM_STACK = StackNames("encoder.encoder.", "encoder.tied_output.weight", ("encoder.lm_head_bias",))  # ts_mlm
+
+
+def stack_names(keys: Iterable[str]) -> StackNames:
+    """The names of the pipelined model whose state dict (or parameter) names are ``keys`` (every
+    stage holds layers)."""
+    return MLM_STACK if any(k.startswith(MLM_STACK.layers_prefix) for k in keys) else LM_STACK
 
 
 def _plain(cfg: Any) -> Any:
@@ -237,11 +273,13 @@ def consolidate_grid(grid: Grid, tp_size: int, ep_size: int, names: dict | None 
 # pipeline parallelism ----------------------------------------------------------------------
 
 
-def _stack_position(key: str) -> tuple[int, int]:
-    """Where a tensor sits in one process's order: embedding, layer ``i``, the rest."""
-    if key.startswith(LAYERS_PREFIX):
-        return 1, int(key[len(LAYERS_PREFIX):].split(".", 1)[0])
-    return (0, 0) if key.startswith(EMBEDDING_PREFIX) else (2, 0)
+def _stack_position(key: str, names: StackNames) -> tuple[int, int]:
+    """Where a tensor sits in one process's order: the leading tensors, embedding, layer ``i``, the rest."""
+    if key in names.leading:
+        return -1, 0
+    if key.startswith(names.layers_prefix):
+        return 1, int(key[len(names.layers_prefix):].split(".", 1)[0])
+    return (0, 0) if key.startswith(names.embedding_prefix) else (2, 0)
 
 
 def _moved_optimizer(states: list[dict[str, Any]], records: list[CheckpointLayout], params: list[str],
@@ -300,36 +338,38 @@ def merge_stages(states: list[dict[str, Any]], names: list[str] | None = None) -
                 "renamed files"
             )
     check_same_run(states, names, "stages", same_parameters=False)
+    stack = stack_names(states[0]["model"])
+    position = functools.partial(_stack_position, names=stack)
     model: dict[str, torch.Tensor] = {}
     owner: dict[str, tuple[int, str]] = {}
     for p, (state, name) in enumerate(zip(states, names)):
         for key, value in state["model"].items():
-            if key == TIED_COPY:
+            if key == stack.tied_copy:
                 continue
             if key in model and not torch.equal(model[key], value):
                 raise TsConfigError(f"{name} and {names[owner[key][0]]} hold different {key}: stages from different runs")
             model.setdefault(key, value)
             owner.setdefault(key, (p, key))
     for state, name in zip(states, names):
-        if TIED_COPY in state["model"] and not torch.equal(state["model"][TIED_COPY], model.get(EMBEDDING)):
+        if stack.tied_copy in state["model"] and not torch.equal(state["model"][stack.tied_copy], model.get(stack.embedding)):
             raise TsConfigError(f"{name}'s copy of the tied embedding differs from the first stage's: stages from "
                                 "different runs or steps")
-    order = sorted(model, key=_stack_position)
-    layers = sorted({_stack_position(k)[1] for k in order if k.startswith(LAYERS_PREFIX)})
+    order = sorted(model, key=position)
+    layers = sorted({position(k)[1] for k in order if k.startswith(stack.layers_prefix)})
     counts = first.pipeline.counts
     if counts is not None and layers != list(range(sum(counts))):
         raise TsConfigError(f"the stages hold layers {layers} but the pipeline split {list(counts)} has "
                             f"{sum(counts)}: a stage is missing or from another run")
-    params = sorted((n for r in records for n in (r.params or ()) if n != TIED_COPY), key=_stack_position) \
+    params = sorted((n for r in records for n in (r.params or ()) if n != stack.tied_copy), key=position) \
         if all(r.params is not None for r in records) else None
     for p, record in enumerate(records):
         for key in record.params or ():
             owner.setdefault(key, (p, key))
     optimizer = _moved_optimizer(states, records, params, owner) if params is not None else None
     tp_layout = None if any(r.tp_layout is None for r in records) else {
-        k: v for r in records for k, v in r.tp_layout.items() if k != TIED_COPY}
+        k: v for r in records for k, v in r.tp_layout.items() if k != stack.tied_copy}
     experts = None if any(r.expert_tensors is None for r in records) else sorted(
-        {k for r in records for k in r.expert_tensors}, key=_stack_position)
+        {k for r in records for k in r.expert_tensors}, key=position)
     layout = dataclasses.replace(first, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},
                                  pipeline=PipelineRecord())
     return _rebuilt(states[0], {k: model[k] for k in order}, optimizer, layout)
@@ -344,15 +384,16 @@ def split_stages(state: dict[str, Any], size: int, virtual: int = 1, counts: lis
         raise TsConfigError(f"{name} is pipeline stage {record.pipeline.rank} of {record.pipeline.size}: merge the "
                             "stages first (pass the checkpoint name)")
     model = state["model"]
-    layers = len({_stack_position(k)[1] for k in model if k.startswith(LAYERS_PREFIX)})
+    stack = stack_names(model)
+    layers = len({_stack_position(k, stack)[1] for k in model if k.startswith(stack.layers_prefix)})
     counts = stage_layer_counts(layers, size * virtual, counts)
-    tied = size > 1 and EMBEDDING in model and not any(k.startswith("decoder.output_projection.") for k in model)
+    tied = size > 1 and stack.embedding in model and not any(k.startswith(stack.output_projection_prefix) for k in model)
     stages = []
     for p in range(size):
         held = {i for r in chunk_layer_ranges(counts, size, p) for i in r}
 
         def kept(key: str, p: int = p, held: set = held) -> bool:
-            group, index = _stack_position(key)
+            group, index = _stack_position(key, stack)
             if group == 1:
                 return index in held
             return p == 0 if group == 0 else p == size - 1
@@ -362,12 +403,12 @@ def split_stages(state: dict[str, Any], size: int, virtual: int = 1, counts: lis
         source = {n: (0, n) for n in params or ()}
         tp_layout = None if record.tp_layout is None else {k: v for k, v in record.tp_layout.items() if kept(k)}
         if tied and p == size - 1:
-            stage_model[TIED_COPY] = model[EMBEDDING].clone()
+            stage_model[stack.tied_copy] = model[stack.embedding].clone()
             if params is not None:
-                params.append(TIED_COPY)
-                source[TIED_COPY] = (0, EMBEDDING)
-            if tp_layout is not None and EMBEDDING in record.tp_layout:
-                tp_layout[TIED_COPY] = record.tp_layout[EMBEDDING]
+                params.append(stack.tied_copy)
+                source[stack.tied_copy] = (0, stack.embedding)
+            if tp_layout is not None and stack.embedding in record.tp_layout:
+                tp_layout[stack.tied_copy] = record.tp_layout[stack.embedding]
         optimizer = _moved_optimizer([state], [record], params, source) if params is not None else None
         experts = None if record.expert_tensors is None else [k for k in record.expert_tensors if kept(k)]
         layout = dataclasses.replace(record, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},

@@ -5,7 +5,8 @@ Names. A checkpoint ``NAME.pt`` saved by ``T`` tensor-parallel ranks and ``P`` p
 whose experts are spread over ``S`` data-parallel ranks is the grid of files
 ``NAME{base}{-model_part-k if T > 1}{-stage p if P > 1}{-shard r if S > 1}.pt`` for ``k < T``,
 ``p < P``, ``r < S`` (:func:`checkpoint_suffix`; ``base`` is the user's ``--checkpoint-suffix``).
-A stage's file names its layers by their global index (``decoder.layers.i`` as one process).
+A stage's file names its layers by their global index (``decoder.layers.i``, ``ts_mlm``'s
+``encoder.encoder.layers.i``, as one process).
 
 Record. Every file holds ``extra_state["ts_tensor_parallel"]`` (:func:`describe`)::
 

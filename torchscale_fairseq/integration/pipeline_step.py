@@ -89,8 +89,8 @@ def run_pipeline_schedule(trainer: Any, samples: list[Any], training: bool) -> l
     its first and last stage); the results of the last stage, with every stage's MoE figures, on
     every stage."""
     parallel, model, criterion, cfg = trainer.parallel, trainer.model, trainer.criterion, trainer.cfg
-    decoder = trainer.get_model().decoder
-    split = decoder.split
+    stack = trainer.get_model().pipeline_stack  # ts_lm's decoder, ts_mlm's encoder
+    split = stack.split
     prepared = [trainer._prepare_sample(sample) for sample in samples]
     results: list[tuple[Any, dict] | None] = [None] * len(samples)
     moe: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> MoE outputs of a stage before the last
@@ -99,7 +99,7 @@ def run_pipeline_schedule(trainer: Any, samples: list[Any], training: bool) -> l
 
     def forward(chunk: int, i: int, hidden: torch.Tensor | None) -> torch.Tensor:
         sample, is_dummy = prepared[i]
-        decoder.set_pipeline_input(chunk, hidden)
+        stack.set_pipeline_input(chunk, hidden)
         with torch.autocast("cuda", enabled=bool(cfg.common.amp) and trainer.device.type == "cuda"):
             if not split.is_last(chunk):
                 out, extra = model(**sample["net_input"])
@@ -142,7 +142,7 @@ def run_pipeline_schedule(trainer: Any, samples: list[Any], training: bool) -> l
                 zero = torch.zeros((), device=layers[0].balance_loss.device)
                 add_moe_terms(layers, *weights, zero, last_results[i][0], stage_figures := {})
                 merge_moe_figures(figures[i], stage_figures)
-    if decoder.cfg.moe is not None:  # (on every stage: a collective; the last one's figures are its other chunks')
+    if stack.cfg.moe is not None:  # (on every stage: a collective; the last one's figures are its other chunks')
         for stage_figures in _share(parallel, figures):
             for i, figure in enumerate(stage_figures):
                 merge_moe_figures(last_results[i][1], figure)

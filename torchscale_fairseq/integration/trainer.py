@@ -51,7 +51,7 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
-from torchscale_fairseq.checkpoints.convert import LAYERS_PREFIX
+from torchscale_fairseq.checkpoints.convert import stack_names
 from torchscale_fairseq.checkpoints.layout import (
     RECORD_KEY,
     PipelineRecord,
@@ -320,10 +320,12 @@ class TsTrainer(Trainer):
         ep_size, ep_rank = self.expert_parallel_size_and_rank
         pipeline, name = PipelineRecord(), str
         if self.parallel.pipeline_size > 1:  # the model's state dict names layers by global index
-            split = self.get_model().decoder.split
+            model = self.get_model()
+            split = model.pipeline_stack.split
             pipeline = PipelineRecord(self.parallel.pipeline_size, self.parallel.pipeline_rank, split.chunks,
                                       split.counts)
-            name = functools.partial(global_layer_key, layers_prefix=LAYERS_PREFIX, layer_indices=split.layer_indices)
+            layers_prefix = stack_names(n for n, _ in model.named_parameters()).layers_prefix
+            name = functools.partial(global_layer_key, layers_prefix=layers_prefix, layer_indices=split.layer_indices)
         state["extra_state"][RECORD_KEY] = describe(
             self.get_model(), self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
             get_rng_tracker().state_dict(), pipeline, name)

@@ -48,13 +48,13 @@ def check_layers(own: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch
         if held != saved:
             raise TsConfigError(
                 f"the checkpoint holds {prefix}{_ranges(saved)} but this model (pipeline stage) holds "
-                f"{prefix}{_ranges(held)}: use the checkpoint's --decoder-layers and pipeline split "
+                f"{prefix}{_ranges(held)}: use the checkpoint's number of layers and pipeline split "
                 "(--pipeline-model-parallel-size, --virtual-pipeline-stages, --pipeline-layers), or convert it "
                 "with `ts-reshard --pipeline-size`"
             )
 
 
-LAYER_PREFIXES = ("decoder.layers.", "encoder.layers.")
+LAYER_PREFIXES = ("decoder.layers.", "encoder.layers.", "encoder.encoder.layers.")  # (ts_mlm: the last)
 
 
 def _layer_indices(keys: Mapping[str, Any], prefix: str) -> list[int]:

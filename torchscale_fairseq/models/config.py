@@ -160,7 +160,7 @@ class TsPipelineConfig(FairseqDataclass):
     """Pipeline parallelism (:mod:`torchscale_fairseq.model_parallel.pipeline_parallel`)."""
 
     pipeline_model_parallel_size: int = field(default=1, metadata={
-        "help": "split the decoder layers into this many stages on as many ranks (Megatron-LM "
+        "help": "split the layers (ts_lm's decoder, ts_mlm's encoder) into this many stages on as many ranks (Megatron-LM "
                 "--pipeline-model-parallel-size); the --update-freq batches are the micro-batches; with "
                 "data parallelism use --ddp-backend legacy_ddp"})
     virtual_pipeline_stages: int = field(default=1, metadata={
@@ -188,7 +188,7 @@ class TsTransformerConfig(TsCommonConfig, TsEncoderConfig, TsDecoderConfig):
 
 
 @dataclass
-class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig):
+class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig, TsPipelineConfig):
     max_positions: int = II("task.tokens_per_sample")
 
 
@@ -198,7 +198,7 @@ def validate_common(args: Any) -> None:
     if getattr(args, "pipeline_model_parallel", False):
         raise TsConfigError(
             "fairseq's --pipeline-model-parallel (fairscale's single-process Pipe) does not run ts models: use "
-            "--pipeline-model-parallel-size N (ts_lm), one rank per stage"
+            "--pipeline-model-parallel-size N (ts_lm, ts_mlm), one rank per stage"
         )
     for side in ("encoder", "decoder"):
         if getattr(args, f"{side}_normalize_before", False) and args.backbone in ("deepnorm", "postln"):

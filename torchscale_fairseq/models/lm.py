@@ -143,6 +143,11 @@ class TsLanguageModel(FairseqLanguageModel):
         check_state_dict_shapes(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
+    @property
+    def pipeline_stack(self) -> TransformerDecoder:
+        """The layer stack that pipeline parallelism splits into stages."""
+        return self.decoder
+
     def max_decoder_positions(self) -> int:
         """Asked by fairseq's ``SequenceGenerator`` when it is built, before any decoding:
         an expert-choice model is refused there with one line."""

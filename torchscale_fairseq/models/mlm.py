@@ -12,6 +12,7 @@ from fairseq.models import FairseqEncoder, FairseqEncoderModel, register_model, 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
+from torchscale_fairseq.architecture.pipeline_stage import tied_output_copy
 from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import parallel_logits
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
@@ -19,11 +20,15 @@ from torchscale_fairseq.model_parallel.parallel_context import current_parallel_
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
-from torchscale_fairseq.modules.device_init import cpu_construction
+from torchscale_fairseq.modules.device_init import build_on_cpu
 
 
 class MaskedLMEncoder(FairseqEncoder):
-    """Encoder plus the BERT head: dense, GELU, LayerNorm, tied output embedding + bias."""
+    """Encoder plus the BERT head: dense, GELU, LayerNorm, tied output embedding + bias.
+
+    Under pipeline parallelism the head is on the last stage, with a copy of the embedding when
+    the first stage is on another rank (:func:`~torchscale_fairseq.architecture.pipeline_stage.tied_output_copy`);
+    a stage before the last returns its hidden states."""
 
     def __init__(self, cfg: StackConfig, dictionary) -> None:
         super().__init__(dictionary)
@@ -31,11 +36,15 @@ class MaskedLMEncoder(FairseqEncoder):
         self.tp_group = cfg.tp_group
         self.encoder = TransformerEncoder(cfg, dictionary, embed_tokens)
         self.vocab_size = len(dictionary)
-        with cpu_construction(self):  # drawn on the CPU, then moved to the default device
-            self.lm_head_dense = nn.Linear(cfg.embed_dim, cfg.embed_dim)
-        self.lm_head_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
-        self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0)))
-        mark_vocab_padded(mark_sharded(self.lm_head_bias, 0), self.vocab_size)
+        # drawn on the CPU (on every stage: one RNG stream), then moved to the default device
+        dense = build_on_cpu(lambda: nn.Linear(cfg.embed_dim, cfg.embed_dim))
+        last = cfg.split.holds_last_stage
+        self.lm_head_dense = dense if last else None
+        self.lm_head_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps) if last else None
+        self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0))) if last else None
+        if last:
+            mark_vocab_padded(mark_sharded(self.lm_head_bias, 0), self.vocab_size)
+        self.tied_output = tied_output_copy(cfg.split, embed_tokens)
 
     def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
                 return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None,
@@ -45,12 +54,13 @@ class MaskedLMEncoder(FairseqEncoder):
         out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens)
         x = out["encoder_out"][0]
         extra = {"inner_states": out["encoder_states"], "moe": out["moe"]}
-        if features_only:
+        if features_only or not self.encoder.runs_last_stage:
             return x, extra
         if masked_tokens is not None:
             x = x[masked_tokens]
         x = self.lm_head_layer_norm(F.gelu(self.lm_head_dense(x)))
-        logits = parallel_logits(x, self.encoder.embed.embed_tokens.weight, self.tp_group) + self.lm_head_bias
+        weight = (self.tied_output if self.tied_output is not None else self.encoder.embed.embed_tokens).weight
+        logits = parallel_logits(x, weight, self.tp_group) + self.lm_head_bias
         if vocab_parallel_logits:
             return logits, extra
         if group_size(self.tp_group) > 1:
@@ -72,6 +82,11 @@ class TsMaskedLMModel(FairseqEncoderModel):
 
     def forward(self, src_tokens, src_lengths=None, **kwargs):
         return self.encoder(src_tokens, src_lengths, **kwargs)
+
+    @property
+    def pipeline_stack(self) -> TransformerEncoder:
+        """The layer stack that pipeline parallelism splits into stages."""
+        return self.encoder.encoder
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         check_state_dict_shapes(self, state_dict)
