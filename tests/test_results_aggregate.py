@@ -49,3 +49,23 @@ def test_plot_draws_every_config(tmp_path: Path) -> None:
     assert aggregate.plot(aggregate.group_runs(runs), "valid_ppl", out)
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert not aggregate.plot(aggregate.group_runs(runs), "moe_entropy", tmp_path / "none.png")
+
+
+def test_loss_spikes_and_norm_ratio_columns(tmp_path: Path) -> None:
+    """A spike is a loss > 0.5 bit above the median of the 10 before it; the ratio is the mean of expert / dense."""
+    import summarize
+
+    losses = [6.0] * 12 + [6.6] + [6.0] * 11 + [6.4] + [5.9] * 10 + [6.55]  # spikes: 6.6 and 6.55 (> 5.9 + 0.5)
+    assert summarize.loss_spikes(losses) == 2
+    assert summarize.loss_spikes([9.0 - 0.1 * i for i in range(30)]) == 0  # a falling loss has none
+    run = tmp_path / "clip_s1"
+    run.mkdir()
+    parts = [(0.2, 1.0), (0.1, 0.5), (0.3, 0.5)]  # (expert, dense): ratios 0.2, 0.2, 0.6
+    records = [{"loss": str(x), "num_updates": str(i + 1), "gnorm_expert": str(parts[i % 3][0]),
+                "gnorm_dense": str(parts[i % 3][1])} for i, x in enumerate(losses[:30])]
+    (run / "train.log").write_text("".join(f"2026-11-28 | INFO | train_inner | {json.dumps(r)}\n" for r in records))
+    lines = aggregate.table(aggregate.group_runs([run]))
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    row = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
+    assert row["loss spikes"] == "1"  # the first 30 losses hold the 6.6 only
+    assert row["expert / dense norm"] == f"{(0.2 + 0.2 + 0.6) / 3:.3f}"

@@ -6,11 +6,12 @@
 Run directories named ``<config>_s<seed>`` are grouped by ``<config>`` (a name without a seed
 suffix is its own group). Per group: number of seeds, mean ± sample standard deviation
 (min-max) of the final and best validation perplexity, final training loss (base 2), largest
-gradient norm, clipped updates, final routing entropy and BLEU/chrF where present, and how many
-seeds diverged (summarize.py's definition). ``--moe`` adds the MoE routing columns: expert load
-CV (``moe_cv_<layer>``, mean over the MoE layers) at the final validation and in the last training
-interval, and the dropped fraction of assignments (``moe_drop``) in the last training interval and
-averaged over the training intervals (validation never drops: ``--moe-eval-capacity-factor 0``).
+gradient norm, clipped updates, loss spikes, expert / dense gradient-norm ratio, final routing
+entropy and BLEU/chrF where present, and how many seeds diverged (summarize.py's definitions).
+``--moe`` adds the MoE routing columns: expert load CV (``moe_cv_<layer>``, mean over the MoE
+layers) at the final validation and in the last training interval, and the dropped fraction of
+assignments (``moe_drop``) in the last training interval and averaged over the training intervals
+(validation never drops: ``--moe-eval-capacity-factor 0``).
 ``--plot`` draws, per group, the mean over the seeds that logged each point, with a min-max band,
 of ``--metric``: ``valid_ppl``, ``train_loss``, ``gnorm``, ``routing_entropy`` (``moe_entropy``),
 ``clipping`` (cumulative clipped updates), ``moe_cv`` / ``valid_moe_cv`` (load CV, mean over the
@@ -39,6 +40,8 @@ COLUMNS = (  # (column, metric key, decimals)
     ("train loss final", "loss_final", 2),
     ("max gnorm", "gnorm_max", 2),
     ("clipped updates", "clipped", 0),
+    ("loss spikes", "spikes", 0),
+    ("expert / dense norm", "norm_ratio", 3),
     ("routing entropy", "entropy", 3),
     ("BLEU", "bleu", 2),
     ("chrF", "chrf", 2),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|nmt|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -224,6 +224,39 @@ clip() {
   wait
 }
 
+# SparseClip at the stability edge (issue 25 item 3): the clip stage's model and batch (64 experts of width
+# 2048 in every layer, top-2, capacity 2), logged every update, at CLIPEDGE_LR = the largest lr of the x2
+# grid 1.6e-2 .. 1.28e-1 that trains WITHOUT clipping in a pilot (seed 4, not reported: 6.4e-2 trains,
+# 1.28e-1 stalls), and a threshold CLIPEDGE_NORM = the 10th percentile of that pilot's SparseClip norm over
+# updates 21-300 (0.138), so that clipping is active on about 90% of the updates. Three arms: SparseClip
+# (kappa 1/sqrt(64)), vanilla (kappa 1) and no clipping; seeds 1-3. Spikes, divergence and stalls as
+# summarize.py / stability.py define them (stalled: final validation ppl >= 0.9 x 659.3, the unigram
+# model's on the whole validation split).
+CLIPEDGE_LR="${CLIPEDGE_LR:-6.4e-2}"
+CLIPEDGE_NORM="${CLIPEDGE_NORM:-0.138}"
+clipedge_run() {  # CONFIG (sparse|vanilla|noclip) SEED
+  local extra="--validate-interval-updates 50 --moe-capacity-factor 2" norm="$CLIPEDGE_NORM"
+  case "$1" in
+    sparse) ;;
+    vanilla) extra+=" --sparse-clip-kappa 1" ;;
+    noclip) norm=0 ;;
+    *) echo "clipedge_run: unknown config $1 (sparse|vanilla|noclip)" >&2; return 2 ;;
+  esac
+  run "clipedge_$1_s$2" lm/train_moe.sh "${CLIP_ARGS[@]}" SEED="$2" LR="$CLIPEDGE_LR" CLIP_NORM="$norm" \
+    LOG_INTERVAL=1 EXTRA_ARGS="$extra"
+}
+clipedge() {
+  local c s
+  for s in "${SEEDS[@]}"; do for c in sparse vanilla noclip; do sched clipedge_run "$c" "$s"; done; done
+  wait
+  clipedge_plots
+}
+clipedge_plots() {
+  mkdir -p "$ROOT/docs/results/clipedge"
+  AGG_METRICS="valid_ppl train_loss clipping gnorm gnorm_dense gnorm_expert" \
+    agg_plots "$ROOT/docs/results/clipedge" "$RUNS"/clipedge_{sparse,vanilla,noclip}_s*/ | tee "$ROOT/docs/results/clipedge/table.md"
+}
+
 # SparseClip's premise against E (issue 25 item 3): the expert / dense gradient-norm ratio for E = 8 ..
 # 256 experts in every layer, the clip stage's model otherwise (4-layer Magneto d=64, top-2, capacity 2,
 # lr 3e-3, 20 warm-up) with experts 256 wide so that E = 256 fits (34.4M expert parameters), 100 updates
@@ -354,6 +387,7 @@ plots() {
   width_plots
   clip_plots
   clipscale_plots
+  clipedge_plots
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
@@ -387,8 +421,11 @@ case "${1:-all}" in
   width_plots) width_plots ;;
   clip_plots) clip_plots ;;
   clipscale) clipscale ;;
+  clipedge) clipedge ;;
+  clipedge_run) clipedge_run "$2" "$3" ;;
+  clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

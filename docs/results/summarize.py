@@ -5,16 +5,23 @@
 Per run directory (its ``train.log``, ``NAME.out`` beside it, ``bleu_test.txt`` if evaluated):
 updates reached, first / minimum / final training loss (base 2), best and final validation
 perplexity, largest gradient norm, clipped updates (from fairseq's ``clip`` percentage),
-final routing entropy (``moe_entropy``), BLEU / chrF, and whether the run diverged: stopped on
-non-finite values, or ended with a training loss more than 1 bit above its minimum.
+loss spikes, the mean expert / dense gradient-norm ratio (``gnorm_expert`` / ``gnorm_dense``, logged
+by SparseClip), final routing entropy (``moe_entropy``), BLEU / chrF, and whether the run diverged:
+stopped on non-finite values, or ended with a training loss more than 1 bit above its minimum.
+A *loss spike* is a logged training loss more than ``SPIKE_BITS`` above the median of the
+``SPIKE_WINDOW`` logged losses before it (with ``--log-interval 1``: per update).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
 from torchscale_fairseq.cli import plot_logs
+
+SPIKE_BITS = 0.5
+SPIKE_WINDOW = 10
 
 
 def _f(x: object) -> float | None:
@@ -22,6 +29,12 @@ def _f(x: object) -> float | None:
         return float(x)
     except (TypeError, ValueError):
         return None
+
+
+def loss_spikes(losses: list[float]) -> int:
+    """How many losses exceed the median of the ``SPIKE_WINDOW`` before them by more than ``SPIKE_BITS``."""
+    return sum(losses[i] > statistics.median(losses[i - SPIKE_WINDOW:i]) + SPIKE_BITS
+               for i in range(SPIKE_WINDOW, len(losses)))
 
 
 def metrics(run_dir: Path) -> dict[str, float | bool | None]:
@@ -33,6 +46,8 @@ def metrics(run_dir: Path) -> dict[str, float | bool | None]:
     _, ppl = plot_logs.valid_ppl(log)
     _, clipped = plot_logs.clipped_updates(log)
     entropy = [v for v in (_f(r.get("moe_entropy")) for r in train) if v is not None]
+    parts = [(_f(r.get("gnorm_expert")), _f(r.get("gnorm_dense"))) for r in train]
+    ratios = [e / d for e, d in parts if e is not None and d]
     out = run_dir.parent / f"{run_dir.name}.out"
     text = out.read_text(errors="replace") if out.is_file() else ""
     nonfinite = any(s in text for s in ("FloatingPointError", "Nan/Inf", "nan or inf", "non-finite"))
@@ -52,6 +67,8 @@ def metrics(run_dir: Path) -> dict[str, float | bool | None]:
         "ppl_final": ppl[-1] if ppl else None,
         "gnorm_max": max(gnorms) if gnorms else None,
         "clipped": clipped[-1] if clipped else None,
+        "spikes": loss_spikes(losses) if losses else None,
+        "norm_ratio": statistics.fmean(ratios) if ratios else None,
         "entropy": entropy[-1] if entropy else None,
         "bleu": scores.get("bleu"),
         "chrf": scores.get("chrf"),
@@ -76,6 +93,8 @@ def summarize(run_dir: Path) -> dict[str, str]:
         "valid ppl final": fmt(m["ppl_final"], 1),
         "max gnorm": fmt(m["gnorm_max"]),
         "clipped updates": fmt(m["clipped"], 0),
+        "loss spikes": fmt(m["spikes"], 0),
+        "expert / dense norm": fmt(m["norm_ratio"], 3),
         "routing entropy": fmt(m["entropy"], 3),
         "BLEU": fmt(m["bleu"]),
         "chrF": fmt(m["chrf"]),

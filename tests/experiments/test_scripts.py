@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sacrebleu
+import torch
 
 from data_prep import prepare_lm, prepare_nmt, unigram_ppl
 from tests.experiments.test_prepare_nmt import EN, ES
@@ -191,3 +192,24 @@ def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
         assert proc.returncode != 0
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("[") and message in lines[0], proc.stderr
+
+
+def test_unigram_baseline_of_a_translation_target_side(tmp_path: Path, capsys) -> None:
+    """--pair en-es scores dict.es.txt / *.en-es.es: train [a a b </s>], valid [a b </s>] over V = 6."""
+    from fairseq.data import Dictionary, indexed_dataset
+
+    (tmp_path / "dict.es.txt").write_text("a 2\nb 1\n")
+    dictionary = Dictionary.load(str(tmp_path / "dict.es.txt"))
+    a, b, eos = dictionary.index("a"), dictionary.index("b"), dictionary.eos()
+    for split, ids in (("train", [a, a, b, eos]), ("valid", [a, b, eos])):
+        prefix = str(tmp_path / f"{split}.en-es.es")
+        builder = indexed_dataset.make_builder(prefix + ".bin", impl="mmap", vocab_size=len(dictionary))
+        builder.add_item(torch.IntTensor(ids))
+        builder.finalize(prefix + ".idx")
+    counts = {a: 3, b: 2, eos: 2}  # add-one over the 6 entries (4 specials, a, b): 4 + 6 = 10
+    expected = math.exp(-sum(math.log(counts[i] / 10) for i in (a, b, eos)) / 3)
+    assert unigram_ppl.main([str(tmp_path), "--pair", "en-es"]) == pytest.approx(expected)
+    assert capsys.readouterr().out == f"unigram_ppl {expected:.1f}\n"
+    with pytest.raises(SystemExit):
+        unigram_ppl.main([str(tmp_path)])  # no dict.txt: a translation dataset needs --pair
+    assert "needs --pair SRC-TGT" in capsys.readouterr().err
