@@ -69,3 +69,16 @@ def test_loss_spikes_and_norm_ratio_columns(tmp_path: Path) -> None:
     row = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
     assert row["loss spikes"] == "1"  # the first 30 losses hold the 6.6 only
     assert row["expert / dense norm"] == f"{(0.2 + 0.2 + 0.6) / 3:.3f}"
+
+
+def test_distinct_hypotheses_column(tmp_path: Path) -> None:
+    """The fraction of distinct H- lines of generate_test.txt: 2 distinct of 4 is 0.5 (scores and ids ignored)."""
+    runs = [_run(tmp_path, f"nmt_s{seed}", [100.0], [8.0]) for seed in (1, 2)]
+    (runs[0] / "generate_test.txt").write_text(
+        "S-0\tA\nH-0\t-1.5\t▁Y ▁los\nH-1\t-1.2\t▁Y ▁los\nH-2\t-0.5\t▁El\nH-3\t-0.7\t▁Y ▁los\nD-0\t-1.5\tY los\n")
+    (runs[1] / "generate_test.txt").write_text("H-0\t-1.0\t▁a\nH-1\t-1.0\t▁b\n")  # every one distinct: 1.0
+    lines = aggregate.table(aggregate.group_runs(runs))
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    row = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
+    mean, std = statistics.fmean([0.5, 1.0]), statistics.stdev([0.5, 1.0])
+    assert row["distinct hypotheses"] == f"{mean:.3f} ± {std:.3f} (0.500-1.000)"

@@ -7,7 +7,8 @@ Run directories named ``<config>_s<seed>`` are grouped by ``<config>`` (a name w
 suffix is its own group). Per group: number of seeds, mean ± sample standard deviation
 (min-max) of the final and best validation perplexity, final training loss (base 2), largest
 gradient norm, clipped updates, loss spikes, expert / dense gradient-norm ratio, final routing
-entropy and BLEU/chrF where present, and how many seeds diverged (summarize.py's definitions).
+entropy, BLEU/chrF and the fraction of distinct test hypotheses where present, and how many seeds
+diverged (summarize.py's definitions).
 ``--moe`` adds the MoE routing columns: expert load CV (``moe_cv_<layer>``, mean over the MoE
 layers) at the final validation and in the last training interval, and the dropped fraction of
 assignments (``moe_drop``) in the last training interval and averaged over the training intervals
@@ -45,6 +46,7 @@ COLUMNS = (  # (column, metric key, decimals)
     ("routing entropy", "entropy", 3),
     ("BLEU", "bleu", 2),
     ("chrF", "chrf", 2),
+    ("distinct hypotheses", "distinct", 3),
 )
 MOE_COLUMNS = (  # with --moe
     ("load CV valid", "cv_valid", 3),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -305,6 +305,42 @@ nmt() {
   wait
 }
 
+# DeepNet's own setting, shrunk (issue 25 item 2): the nmt stage's translation data and schedule (600 updates
+# of 2,048 tokens, about one epoch; inverse-sqrt decay after 60 warm-up updates, 10%; label smoothing 0.1;
+# clipping at 1.0, the recipe's; no dropout) with a deep, narrow dense model: NMTDEEP_LAYERS-NMTDEEP_LAYERS
+# layers (18-18), d=64, FFN 256 (4d, as in the paper), 4 heads, lr NMTDEEP_LR (2e-3: chosen on seed-4
+# pilots, docs/results.md section 12). Validation on the whole validation split every 200 updates.
+# Stalled: final validation ppl not 10% below the unigram model of the target side (461.8:
+# python -m data_prep.unigram_ppl DATA --pair en-es); diverged as summarize.py says. Test BLEU / chrF as
+# in the nmt stage (beam 4, --no-repeat-ngram-size 3), once per run after training. A run whose test
+# score exists is not run again (an interrupted stage resumes).
+NMTDEEP_LAYERS="${NMTDEEP_LAYERS:-18}"
+NMTDEEP_LR="${NMTDEEP_LR:-2e-3}"
+NMTDEEP_ARGS=(DATA="$NMT_DATA" EMBED_DIM=64 FFN_DIM=256 HEADS=4 DROPOUT=0.0 MAX_TOKENS=2048 TOTAL_TOKENS=2048
+  WARMUP=60 MAX_UPDATE=600 LOG_INTERVAL=10 EXTRA_ARGS="--validate-interval-updates 200")
+nmtdeep_run() {  # BACKBONE SEED [LAYERS [LR]]: one training and its test score
+  local layers="${3:-$NMTDEEP_LAYERS}" lr="${4:-$NMTDEEP_LR}"
+  local name="nmtdeep_$1_L${layers}_lr${lr}_s$2"
+  [ -s "$RUNS/$name/bleu_test.txt" ] && { echo "$name scored before"; return 0; }
+  run "$name" nmt/train_dense.sh BACKBONE="$1" LAYERS="$layers" LR="$lr" SEED="$2" "${NMTDEEP_ARGS[@]}"
+  nmt_eval "$name"
+}
+nmtdeep() {
+  local b s
+  for s in "${SEEDS[@]}"; do for b in postln deepnorm magneto; do sched nmtdeep_run "$b" "$s"; done; done
+  wait
+  nmtdeep_plots
+}
+nmtdeep_plots() {
+  local out="$ROOT/docs/results/nmtdeep" m
+  mkdir -p "$out"
+  python docs/results/aggregate.py "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ | tee "$out/table.md"
+  for m in valid_ppl train_loss gnorm; do
+    python docs/results/aggregate.py "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ --metric "$m" \
+      --plot "$out/$m.png" --title "NMT ${NMTDEEP_LAYERS}-${NMTDEEP_LAYERS}, d=64, lr $NMTDEEP_LR: $m (mean, min-max band)" >/dev/null
+  done
+}
+
 # Routing options (issue 26): four ways to route at the same active FLOPs per token and the same
 # routed expert parameters, in the width stage's LM (4-layer Magneto d=128, FFN 512, MoE in layers 2
 # and 4, same data, batch, lr, clipping and validation): E=8 experts of width F=256 (half the dense
@@ -388,6 +424,7 @@ plots() {
   clip_plots
   clipscale_plots
   clipedge_plots
+  nmtdeep_plots
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
@@ -414,6 +451,9 @@ case "${1:-all}" in
   clip_run) clip_run "$2" "$3" ;;
   nmt) nmt ;;
   nmt_run) nmt_run "$2" "$3" ;;
+  nmtdeep) nmtdeep ;;
+  nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
+  nmtdeep_plots) nmtdeep_plots ;;
   routing) routing ;;
   routing_run) routing_run "$2" "$3" ;;
   routing_plots) routing_plots ;;
@@ -426,6 +466,6 @@ case "${1:-all}" in
   clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtdeep_plots|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

@@ -6,8 +6,10 @@ Per run directory (its ``train.log``, ``NAME.out`` beside it, ``bleu_test.txt`` 
 updates reached, first / minimum / final training loss (base 2), best and final validation
 perplexity, largest gradient norm, clipped updates (from fairseq's ``clip`` percentage),
 loss spikes, the mean expert / dense gradient-norm ratio (``gnorm_expert`` / ``gnorm_dense``, logged
-by SparseClip), final routing entropy (``moe_entropy``), BLEU / chrF, and whether the run diverged:
-stopped on non-finite values, or ended with a training loss more than 1 bit above its minimum.
+by SparseClip), final routing entropy (``moe_entropy``), BLEU / chrF, the fraction of distinct test
+hypotheses (``generate_test.txt``; 1 / N when a model gives every source the same output), and
+whether the run diverged: stopped on non-finite values, or ended with a training loss more than 1
+bit above its minimum.
 A *loss spike* is a logged training loss more than ``SPIKE_BITS`` above the median of the
 ``SPIKE_WINDOW`` logged losses before it (with ``--log-interval 1``: per update).
 """
@@ -58,6 +60,9 @@ def metrics(run_dir: Path) -> dict[str, float | bool | None]:
         for line in bleu.read_text().splitlines():
             key, _, value = line.partition(" ")
             scores[key] = _f(value)
+    generated = run_dir / "generate_test.txt"
+    hypotheses = [line.split("\t")[-1] for line in generated.read_text(errors="replace").splitlines()
+                  if line.startswith("H-")] if generated.is_file() else []
     return {
         "updates": max((int(_f(r.get("num_updates")) or 0) for r in train), default=0),
         "loss_first": losses[0] if losses else None,
@@ -72,6 +77,7 @@ def metrics(run_dir: Path) -> dict[str, float | bool | None]:
         "entropy": entropy[-1] if entropy else None,
         "bleu": scores.get("bleu"),
         "chrf": scores.get("chrf"),
+        "distinct": len(set(hypotheses)) / len(hypotheses) if hypotheses else None,
         "nonfinite": nonfinite,
         "diverged": nonfinite or (bool(losses) and losses[-1] > min(losses) + 1.0),
     }
@@ -98,6 +104,7 @@ def summarize(run_dir: Path) -> dict[str, str]:
         "routing entropy": fmt(m["entropy"], 3),
         "BLEU": fmt(m["bleu"]),
         "chrF": fmt(m["chrf"]),
+        "distinct hypotheses": fmt(m["distinct"], 3),
         "diverged": ("yes (non-finite)" if m["nonfinite"] else "yes") if m["diverged"] else "no",
     }
 
