@@ -43,7 +43,6 @@ from torchscale_fairseq.model_parallel.pipeline_parallel import chunk_layer_rang
 Grid = dict[tuple[int, int, int], dict[str, Any]]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StackNames:
     """Where a pipelined model's tensors sit in its state dict: the first stage's embedding, the
