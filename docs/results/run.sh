@@ -331,14 +331,10 @@ nmtdeep() {
   wait
   nmtdeep_plots
 }
-nmtdeep_plots() {
-  local out="$ROOT/docs/results/nmtdeep" m
-  mkdir -p "$out"
-  python docs/results/aggregate.py "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ | tee "$out/table.md"
-  for m in valid_ppl train_loss gnorm; do
-    python docs/results/aggregate.py "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ --metric "$m" \
-      --plot "$out/$m.png" --title "NMT ${NMTDEEP_LAYERS}-${NMTDEEP_LAYERS}, d=64, lr $NMTDEEP_LR: $m (mean, min-max band)" >/dev/null
-  done
+nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 (agg_plots, as for clip and clipedge)
+  mkdir -p "$ROOT/docs/results/nmtdeep"
+  AGG_METRICS="valid_ppl train_loss gnorm" agg_plots "$ROOT/docs/results/nmtdeep" \
+    "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ | tee "$ROOT/docs/results/nmtdeep/table.md"
 }
 
 # Routing options (issue 26): four ways to route at the same active FLOPs per token and the same
