@@ -149,7 +149,7 @@ stability_report() {  # the outcome table, lr_max against depth, and the validat
     for lr in $STAB_LRS; do  # (a search runs only part of the grid)
       compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
       python docs/results/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
-        --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band over the seeds in the legend)" >/dev/null
+        --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band)" >/dev/null
     done
   done
 }
