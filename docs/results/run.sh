@@ -316,13 +316,16 @@ nmt() {
 # score exists is not run again (an interrupted stage resumes).
 NMTDEEP_LAYERS="${NMTDEEP_LAYERS:-18}"
 NMTDEEP_LR="${NMTDEEP_LR:-2e-3}"
+NMTDEEP_UPDATES="${NMTDEEP_UPDATES:-600}"
+NMTDEEP_VALID_EVERY="${NMTDEEP_VALID_EVERY:-200}"
 NMTDEEP_ARGS=(DATA="$NMT_DATA" EMBED_DIM=64 FFN_DIM=256 HEADS=4 DROPOUT=0.0 MAX_TOKENS=2048 TOTAL_TOKENS=2048
-  WARMUP=60 MAX_UPDATE=600 LOG_INTERVAL=10 EXTRA_ARGS="--validate-interval-updates 200")
-nmtdeep_run() {  # BACKBONE SEED [LAYERS [LR]]: one training and its test score
+  WARMUP=60 LOG_INTERVAL=10)
+nmtdeep_run() {  # BACKBONE SEED [LAYERS [LR]]: one training of NMTDEEP_UPDATES updates and its test score
   local layers="${3:-$NMTDEEP_LAYERS}" lr="${4:-$NMTDEEP_LR}"
-  local name="nmtdeep_$1_L${layers}_lr${lr}_s$2"
+  local name="nmtdeep_$1_L${layers}_lr${lr}_u${NMTDEEP_UPDATES}_s$2"
   [ -s "$RUNS/$name/bleu_test.txt" ] && { echo "$name scored before"; return 0; }
-  run "$name" nmt/train_dense.sh BACKBONE="$1" LAYERS="$layers" LR="$lr" SEED="$2" "${NMTDEEP_ARGS[@]}"
+  run "$name" nmt/train_dense.sh BACKBONE="$1" LAYERS="$layers" LR="$lr" SEED="$2" "${NMTDEEP_ARGS[@]}" \
+    MAX_UPDATE="$NMTDEEP_UPDATES" EXTRA_ARGS="--validate-interval-updates $NMTDEEP_VALID_EVERY"
   nmt_eval "$name"
 }
 nmtdeep() {
@@ -331,10 +334,22 @@ nmtdeep() {
   wait
   nmtdeep_plots
 }
+# The same runs at the longest budget a 45-minute stage holds for one backbone's three seeds (two rounds of
+# ~20 min on two idle cores): 1,500 updates (2.7 epochs), validation every 300 updates (600 is the short
+# runs' end: the same seed's first 600 updates are the same run). One stage per backbone:
+#   bash docs/results/run.sh nmtlong postln|deepnorm|magneto
+nmtlong() {  # BACKBONE
+  local s
+  NMTDEEP_UPDATES=1500 NMTDEEP_VALID_EVERY=300
+  for s in "${SEEDS[@]}"; do sched nmtdeep_run "$1" "$s"; done
+  wait
+  nmtdeep_plots
+}
 nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 (agg_plots, as for clip and clipedge)
-  mkdir -p "$ROOT/docs/results/nmtdeep"
-  AGG_METRICS="valid_ppl train_loss gnorm" agg_plots "$ROOT/docs/results/nmtdeep" \
-    "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_s[0-9]*/ | tee "$ROOT/docs/results/nmtdeep/table.md"
+  local out="$ROOT/docs/results/nmtdeep/u$NMTDEEP_UPDATES"
+  mkdir -p "$out"
+  AGG_METRICS="valid_ppl train_loss gnorm" agg_plots "$out" \
+    "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_u"$NMTDEEP_UPDATES"_s[0-9]*/ | tee "$out/table.md"
 }
 
 # Routing options (issue 26): four ways to route at the same active FLOPs per token and the same
@@ -449,6 +464,7 @@ case "${1:-all}" in
   nmt_run) nmt_run "$2" "$3" ;;
   nmtdeep) nmtdeep ;;
   nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
+  nmtlong) nmtlong "$2" ;;
   nmtdeep_plots) nmtdeep_plots ;;
   routing) routing ;;
   routing_run) routing_run "$2" "$3" ;;
@@ -463,5 +479,5 @@ case "${1:-all}" in
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
   all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtdeep_plots|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
