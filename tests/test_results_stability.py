@@ -62,3 +62,39 @@ def test_outcome_mode_prints_one_word_per_run(tmp_path: Path, capsys) -> None:
             _run(tmp_path, "st_preln_L6_lr4e-3_s1", 300.0, [11.0, 8.0, 9.5])]
     stability.main([str(r) for r in runs] + ["--unigram", "687", "--outcome"])
     assert capsys.readouterr().out.split() == ["trains", "stalled", "diverged"]
+
+
+def test_a_report_from_records_equals_one_from_the_runs(tmp_path: Path, capsys) -> None:
+    """--records: runs reported in two batches (two machines) give the table of all runs reported at once; a
+    run given again replaces its record; a damaged records file is a one-line error naming the line."""
+    falling = [11.0, 9.0, 8.5]
+    first = [_run(tmp_path, "st_postln_L6_lr1e-3_s1", 400.0, falling),
+             _run(tmp_path, "st_postln_L6_lr2e-3_s1", 640.0, falling)]
+    second = [_run(tmp_path, "st_postln_L6_lr1e-3_s2", 500.0, falling),
+              _run(tmp_path, "st_magneto_L18_lr4e-3_s1", 300.0, [11.0, 8.0, 9.5])]
+    stability.main([str(r) for r in first + second] + ["--unigram", "687"])
+    direct = capsys.readouterr().out
+    records = tmp_path / "records" / "runs.jsonl"
+    stability.main([str(r) for r in first] + ["--unigram", "687", "--records", str(records)])
+    capsys.readouterr()
+    stability.main([str(r) for r in second + first[:1]] + ["--unigram", "687", "--records", str(records)])
+    assert capsys.readouterr().out == direct
+    stability.main(["--unigram", "687", "--records", str(records)])
+    assert capsys.readouterr().out == direct
+    assert len(records.read_text().splitlines()) == 4
+    records.write_text(records.read_text() + "not json\n")
+    with pytest.raises(SystemExit, match=r"runs.jsonl:5: not a run record"):
+        stability.main(["--unigram", "687", "--records", str(records)])
+    with pytest.raises(SystemExit, match="no runs to report"):
+        stability.main(["--unigram", "687", "--records", str(tmp_path / "none.jsonl")])
+
+
+def test_plotted_lr_max_marks_the_grid_edges(tmp_path: Path) -> None:
+    """Below the grid counts one x2 step under it (drawn v), a median at the top is '>=' (drawn ^)."""
+    lrs = [5e-4, 1e-3, 2e-3, 4e-3]
+    assert stability.plotted_point([None, None, 2e-3], lrs) == (2.5e-4, 2.5e-4, 2e-3, "v")
+    assert stability.plotted_point([2e-3, 4e-3, 2e-3], lrs) == (2e-3, 2e-3, 4e-3, "o")
+    assert stability.plotted_point([4e-3, 4e-3, 1e-3], lrs) == (4e-3, 1e-3, 4e-3, "^")
+    out = tmp_path / "lr_max.png"
+    stability.plot_lr_max({"postln": {6: [2e-3], 18: [None]}, "magneto": {6: [4e-3], 18: [4e-3]}}, lrs, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"

@@ -140,11 +140,16 @@ stability_search() {
   wait
   STAB_LRS="${STAB_GRID[*]}" stability_report
 }
-stability_report() {  # the outcome table, lr_max against depth, and the validation curves per depth and lr
-  local out="$ROOT/docs/results/stability" layers lr
+# stability_report: the outcome table and lr_max against depth over every run recorded in
+# docs/results/stability/runs.jsonl (the stab_* runs in $RUNS are added to it first, so runs made on
+# several machines add up), then the validation curves per depth and lr of the runs in $RUNS.
+stability_report() {
+  local out="$ROOT/docs/results/stability" layers lr runs
   mkdir -p "$out"
-  python docs/results/stability.py "$RUNS"/stab_*_s[0-9]*/ --unigram "$STAB_UNIGRAM_PPL" \
-    --plot "$out/lr_max.png" | tee "$out/table.md"
+  mapfile -t runs < <(compgen -G "$RUNS/stab_*_s[0-9]*/")
+  python docs/results/stability.py "${runs[@]}" --records "$out/runs.jsonl" --unigram "$STAB_UNIGRAM_PPL" \
+    --plot "$out/lr_max.png" > "$out/table.md.new" || { rm -f "$out/table.md.new"; return 1; }
+  mv "$out/table.md.new" "$out/table.md" && cat "$out/table.md"
   for layers in $STAB_DEPTHS; do
     for lr in $STAB_LRS; do  # (a search runs only part of the grid)
       compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
