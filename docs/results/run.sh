@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -344,13 +344,16 @@ nmtdeep() {
 # runs' end: the same seed's first 600 updates are the same run). One stage per backbone:
 #   bash docs/results/run.sh nmtlong postln|deepnorm|magneto
 nmtlong() {  # BACKBONE
-  local s
-  NMTDEEP_UPDATES=1500 NMTDEEP_VALID_EVERY=300
+  local s NMTDEEP_UPDATES=1500 NMTDEEP_VALID_EVERY=300
+  case "${1:-}" in
+    postln | deepnorm | magneto) ;;
+    *) echo "nmtlong: BACKBONE is postln, deepnorm or magneto (got '${1:-}'): bash $0 nmtlong deepnorm" >&2; return 2 ;;
+  esac
   for s in "${SEEDS[@]}"; do sched nmtdeep_run "$1" "$s"; done
   wait
   nmtdeep_plots
 }
-nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 (agg_plots, as for clip and clipedge)
+nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 at NMTDEEP_UPDATES (agg_plots)
   local out="$ROOT/docs/results/nmtdeep/u$NMTDEEP_UPDATES"
   mkdir -p "$out"
   AGG_METRICS="valid_ppl train_loss gnorm" agg_plots "$out" \
@@ -441,6 +444,7 @@ plots() {
   clipscale_plots
   clipedge_plots
   nmtdeep_plots
+  NMTDEEP_UPDATES=1500 nmtdeep_plots
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
@@ -469,7 +473,7 @@ case "${1:-all}" in
   nmt_run) nmt_run "$2" "$3" ;;
   nmtdeep) nmtdeep ;;
   nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
-  nmtlong) nmtlong "$2" ;;
+  nmtlong) nmtlong "${2:-}" ;;
   nmtdeep_plots) nmtdeep_plots ;;
   routing) routing ;;
   routing_run) routing_run "$2" "$3" ;;
@@ -483,6 +487,6 @@ case "${1:-all}" in
   clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; routing; plots ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; routing; plots ;;
   *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
