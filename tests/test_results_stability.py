@@ -82,9 +82,11 @@ def test_a_report_from_records_equals_one_from_the_runs(tmp_path: Path, capsys) 
     stability.main(["--unigram", "687", "--records", str(records)])
     assert capsys.readouterr().out == direct
     assert len(records.read_text().splitlines()) == 4
-    records.write_text(records.read_text() + "not json\n")
-    with pytest.raises(SystemExit, match=r"runs.jsonl:5: not a run record"):
-        stability.main(["--unigram", "687", "--records", str(records)])
+    kept = records.read_text()
+    for damaged in ("not json", '{"run": "st_postln_L6_lr4e-3_s1", "ppl": 300.0}'):  # the second lacks 'diverged'
+        records.write_text(kept + damaged + "\n")
+        with pytest.raises(SystemExit, match=r"runs.jsonl:5: not a run record"):
+            stability.main(["--unigram", "687", "--records", str(records)])
     with pytest.raises(SystemExit, match="no runs to report"):
         stability.main(["--unigram", "687", "--records", str(tmp_path / "none.jsonl")])
 

@@ -74,7 +74,7 @@ def update_records(path: Path, run_dirs: Sequence[Path]) -> list[dict]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 rec = json.loads(line)
-                records[rec["run"]] = rec
+                records[rec["run"]] = {key: rec[key] for key in ("run", "diverged", "ppl")}
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"{path}:{n}: not a run record (one JSON object with 'run', 'diverged', 'ppl' "
                                  "per line); fix or remove that line") from None
