@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -353,6 +353,32 @@ nmtlong() {  # BACKBONE
   wait
   nmtdeep_plots
 }
+# Do the translation models read their source? (section 12's diagnostic, docs/results/source_use.py.) Every
+# nmtdeep run (18-18 at 600 and 1,500 updates, 6-6 Post-LN): validation ppl with the real and with the
+# shuffled sources (random.Random(0)), and the encoder output's spread over tokens, trained and at init.
+source_use() {
+  python docs/results/source_use.py "$RUNS"/nmtdeep_*_lr"${NMTDEEP_LR}"_u{600,1500}_s[0-9]*/ --data "$NMT_DATA" \
+    --init | tee "$ROOT/docs/results/nmtdeep/source_use.md"
+}
+# When does the encoder collapse? Seed 1 of each backbone again (the nmtdeep runs' first updates: the schedule
+# does not depend on the budget), no validation (it does not change the training): 600 updates with a
+# checkpoint every 50, and 50 updates with one every 5; the spread (also at init) and the shuffled-source
+# ppl of each checkpoint on the first 300 validation verses, and the spread against the update.
+source_use_timing() {
+  local b budget name out="$ROOT/docs/results/nmtdeep"
+  for b in deepnorm postln magneto; do
+    for budget in 600:50 50:5; do
+      name="nmtcollapse_${b}_L${NMTDEEP_LAYERS}_lr${NMTDEEP_LR}_u${budget%:*}_s1"
+      grep -qs "done training" "$RUNS/$name/train.log" && continue  # (fairseq-train would resume it: one update more)
+      sched run "$name" nmt/train_dense.sh BACKBONE="$b" \
+        LAYERS="$NMTDEEP_LAYERS" LR="$NMTDEEP_LR" SEED=1 "${NMTDEEP_ARGS[@]}" MAX_UPDATE="${budget%:*}" \
+        EXTRA_ARGS="--save-interval-updates ${budget#*:} --disable-validation"
+    done
+  done
+  wait
+  python docs/results/source_use.py "$RUNS"/nmtcollapse_*_s1/checkpoint_[0-9]*_[0-9]*.pt --data "$NMT_DATA" \
+    --max-verses 300 --init --plot "$out/encoder_spread.png" | tee "$out/source_use_timing.md"
+}
 nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 at NMTDEEP_UPDATES (agg_plots)
   local out="$ROOT/docs/results/nmtdeep/u$NMTDEEP_UPDATES"
   mkdir -p "$out"
@@ -475,6 +501,8 @@ case "${1:-all}" in
   nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
   nmtlong) nmtlong "${2:-}" ;;
   nmtdeep_plots) nmtdeep_plots ;;
+  source_use) source_use ;;
+  source_use_timing) source_use_timing ;;
   routing) routing ;;
   routing_run) routing_run "$2" "$3" ;;
   routing_plots) routing_plots ;;
@@ -487,6 +515,6 @@ case "${1:-all}" in
   clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac
