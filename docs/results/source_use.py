@@ -84,14 +84,14 @@ def measure(path: Path, data: str | None, subset: str, max_verses: int | None, s
     """The row of one checkpoint: its run, update, ppl, shuffled ppl and encoder spread (at init)."""
     ckpt = checkpoint_path(path)
     overrides = {"data": data} if data else {}
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)], arg_overrides=overrides)
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(ckpt), arg_overrides=overrides)
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)], arg_overrides=overrides, state=state)
     model = models[0].eval()
     task.load_dataset(subset)
     dataset = task.dataset(subset)
     count = min(len(dataset), max_verses or len(dataset))
     shuffled = list(range(count))
     random.Random(shuffle_seed).shuffle(shuffled)
-    state = checkpoint_utils.load_checkpoint_to_cpu(str(ckpt))
     row = {
         "run": ckpt.parent.name, "checkpoint": ckpt.name,
         "update": state["optimizer_history"][-1]["num_updates"],
