@@ -65,6 +65,26 @@ def device_line(device: str) -> str:
     return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
+DATASHEET_BF16 = 989e12  # dense bf16 FLOP/s of the H100 SXM and the H200 (NVIDIA datasheets)
+
+
+def git_commit() -> str:
+    """HEAD's short hash, `` (modified)`` when the working tree differs from it."""
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    return (out.stdout.strip() or "?") + (" (modified)" if dirty else "")
+
+
+def append_results(path: Path, rows: Sequence[tuple[str, float, Optional[float]]], device: str, command: str) -> None:
+    """Append one JSON line per ``(metric, value, target)`` to ``path`` (``benchmarks/gpu_results.jsonl``'s
+    format: date, commit, device, torch, metric, value, target, command)."""
+    base = {"date": now(), "commit": git_commit(), "device": device_line(device), "torch": torch.__version__}
+    with Path(path).open("a") as f:
+        for metric, value, target in rows:
+            f.write(json.dumps({**base, "metric": metric, "value": round(value, 4), "target": target,
+                                "command": command}) + "\n")
+
+
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -193,6 +213,49 @@ def preprocess_translation(raw: Path, dest: Path, workers: int = 2) -> Path:
 def dict_size(data: Path, name: str = "dict.txt") -> int:
     with (data / name).open() as f:
         return sum(1 for _ in f)
+
+
+# ---------------------------------------------------------------- fairseq in this process
+
+def import_plugin() -> None:
+    """Import this plugin into fairseq as ``--user-dir`` does (registers its models, installs its trainer)."""
+    from argparse import Namespace
+
+    from fairseq import utils
+
+    utils.import_user_module(Namespace(user_dir=str(USER_DIR)))
+
+
+def fairseq_lm(model_args: Sequence[str], vocab: int, tokens_per_sample: int) -> tuple:
+    """The config, task, model and criterion ``fairseq-train --user-dir torchscale_fairseq --cpu``
+    builds for a language model over a synthetic dictionary ``w0 .. w{vocab-1}`` (no data is
+    read): dropout 0.1, Adam at lr 5e-4, tied embeddings, unless ``model_args`` (last) override them."""
+    from fairseq import options
+    from fairseq.data import Dictionary
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    import_plugin()
+    argv = ["DUMMY", "--user-dir", str(USER_DIR), "--task", "language_modeling", "--cpu",
+            "--tokens-per-sample", str(tokens_per_sample), "--sample-break-mode", "none",
+            "--share-decoder-input-output-embed", "--dropout", "0.1", "--optimizer", "adam", "--lr", "5e-4",
+            *model_args]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    dictionary = Dictionary()
+    for i in range(vocab):
+        dictionary.add_symbol(f"w{i}")
+    task = LanguageModelingTask(cfg.task, dictionary, dictionary)
+    return cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion)
+
+
+def lm_sample(dictionary, batch_size: int, length: int, generator: Optional[torch.Generator] = None) -> dict:
+    """A fairseq language-model batch of ``batch_size`` x ``length`` random non-special tokens
+    (no padding), drawn from ``generator`` (torch's global one by default)."""
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (batch_size, length + 1), generator=generator)
+    return {"id": torch.arange(batch_size), "nsentences": batch_size, "ntokens": batch_size * length,
+            "target": tokens[:, 1:].contiguous(),
+            "net_input": {"src_tokens": tokens[:, :-1].contiguous(),
+                          "src_lengths": torch.full((batch_size,), length)}}
 
 
 # ---------------------------------------------------------------- log parsing

@@ -16,7 +16,7 @@ JSON ``train_inner`` records (``--log-interval 1``, the first ``--skip-logs`` dr
 
     .venv/bin/python benchmarks/mfu.py
     .venv/bin/python benchmarks/mfu.py --device cuda --precision bf16 --tokens-per-sample 2048 \
-        --gemm 8192x8192x8192 --target 0.40          # GPU (benchmarks/gpu_mfu.py runs this)
+        --gemm 8192x8192x8192 --target 0.40          # GPU (benchmarks/gpu_speed.py measures issue 43's MFU)
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import DTYPES, device_line, load_average, now
+from benchmarks._common import DTYPES, append_results, device_line, load_average, now
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import grouped_mm_fits
@@ -134,6 +134,9 @@ def main() -> None:
                         help="largest ratio (median) to the dense FFNs of the same FLOPs that passes")
     parser.add_argument("--expert-gemm", default="auto", choices=["auto", "grouped", "loop", "both"],
                         help="the experts' GEMMs: the layer's choice, torch._grouped_mm, one per expert, or both")
+    parser.add_argument("--results", type=Path,
+                        help="append the worst median ratio (and, compiled, the layer's TFLOP/s at E = 64) as JSON lines "
+                             "(benchmarks/gpu_results.jsonl's format)")
     parser.add_argument("--compile", default="none", metavar="BACKEND",
                         help="the dense FFN and every MoE layer through torch.compile with this backend (inductor on "
                              "a GPU: fewer launches; aot_eager checks the path on a CPU); none: eager")
@@ -184,6 +187,13 @@ def main() -> None:
         judged = "grouped" if grouped_mm_fits(x, experts.fc1_weight) else "loop"
     ratios = {e: median[(e, judged)] / (scale * median["dense"]) for e in args.experts}
     worst = max(ratios, key=ratios.get)
+    if args.results:
+        compiled = args.compile != "none"
+        rows = [(f"moe_vs_dense_{'compiled' if compiled else 'eager'}_max", ratios[worst], 1.15 if compiled else 2.0)]
+        if 64 in args.experts:  # forward + backward FLOPs of the experts: 3 x 2 x tokens x k x (2 x d x width)
+            flops = 3 * 2 * args.tokens * args.top_k * 2 * args.dim * width
+            rows.append((f"moe_tflops_e64{'' if compiled else '_eager'}", flops / median[(64, judged)] / 1e12, None))
+        append_results(args.results, rows, args.device, "benchmarks/moe_layer.py " + " ".join(sys.argv[1:]))
     verdict = "PASS" if ratios[worst] <= args.target else "FAIL"
     print(f"RESULT MoE layer ({judged}) / {scale:g}x dense FFN (median): "
           f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {args.target}: {verdict} "

@@ -26,7 +26,7 @@ import time
 from argparse import Namespace
 
 import torch
-from _common import USER_DIR
+from _common import fairseq_lm, import_plugin, lm_sample
 from torch.profiler import ProfilerActivity, profile
 
 LM_DIMS = ("--decoder-layers 6 --decoder-embed-dim 512 --decoder-attention-heads 8 "
@@ -60,37 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _import_plugin() -> None:
-    from fairseq import utils
-    utils.import_user_module(Namespace(user_dir=str(USER_DIR)))
-
-
 def train_step_fn(args):
-    from fairseq import optim, options
-    from fairseq.data import Dictionary
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.tasks.language_modeling import LanguageModelingTask
+    from fairseq import optim
 
-    _import_plugin()
-    parser = options.get_training_parser()
-    argv = ["DUMMY", "--user-dir", str(USER_DIR), "--task", "language_modeling", "--cpu",
-            "--tokens-per-sample", str(args.tokens_per_sample), "--sample-break-mode", "none",
-            "--share-decoder-input-output-embed", "--dropout", "0.1", "--optimizer", "adam", "--lr", "5e-4",
-            *shlex.split(args.model_args)]
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
-    dictionary = Dictionary()
-    for i in range(args.vocab):
-        dictionary.add_symbol(f"w{i}")
-    task = LanguageModelingTask(cfg.task, dictionary, dictionary)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
+    cfg, task, model, criterion = fairseq_lm(shlex.split(args.model_args), args.vocab, args.tokens_per_sample)
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
     model.train()
-    b, t = args.batch_size, args.tokens_per_sample
-    tokens = torch.randint(dictionary.nspecial, len(dictionary), (b, t + 1))
-    sample = {"id": torch.arange(b), "nsentences": b, "ntokens": b * t, "target": tokens[:, 1:].contiguous(),
-              "net_input": {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((b,), t)}}
-    print(f"params: {sum(p.numel() for p in model.parameters()):,}; tokens/step: {b * t}")
+    sample = lm_sample(task.dictionary, args.batch_size, args.tokens_per_sample)
+    print(f"params: {sum(p.numel() for p in model.parameters()):,}; tokens/step: {sample['ntokens']}")
 
     def step():
         optimizer.zero_grad()
@@ -107,7 +84,7 @@ def generate_fn(args):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    _import_plugin()
+    import_plugin()
     models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
     for m in models:
         m.eval()
@@ -132,7 +109,7 @@ def compare(args) -> None:
     steps = {}
     for name, model_args in (("ours", args.model_args), ("stock", args.stock_args)):
         torch.manual_seed(1)
-        steps[name] = train_step_fn(Namespace(**{**vars(args), "model_args": model_args}))[0]
+        steps[name] = train_step_fn(Namespace(**{**vars(args), "model_args": model_args, "steps": 1}))[0]
         steps[name]()  # warm-up
     self_s = {name: collections.defaultdict(lambda: [0.0, 0]) for name in steps}
     wall = dict.fromkeys(steps, 0.0)

@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu" / "run_gpu_check.sh"
-STAGE_1 = ("cpu-smoke", "pytest-gpu", "bench-moe")
+STAGE_1 = ("cpu-smoke", "pytest-gpu", "bench-moe", "bench-moe-compile")
 
 
 def check(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_plan_fits_the_device_calls():
 
 
 def test_plan_refuses_a_stage_over_its_limit():
-    proc = check("--plan", GPU_CHECK_EXPECTED="bench-mfu=400")
+    proc = check("--plan", GPU_CHECK_EXPECTED="bench-speed=500")
     assert proc.returncode == 1
     assert re.search(r"^plan error: stage 3 expects \d+s, over its 480s limit", proc.stdout, re.M), proc.stdout
 
@@ -57,15 +57,17 @@ def test_next_resumes_where_the_results_stop(tmp_path):
         return proc.stdout.strip()
 
     assert next_stage() == "1"
-    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": "SKIPPED (stage budget spent)"})
+    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": "SKIPPED (stage budget spent)",
+                             "bench-moe-compile": "ok"})
     assert next_stage() == "1"
     no_cuda = "ok" if torch.cuda.is_available() else "no CUDA"
-    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": no_cuda})
+    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": no_cuda,
+                             "bench-moe-compile": no_cuda})
     assert next_stage() == "2"
     write_stage(results, 2, {"pytest-gpu-training": "TIMEOUT after 360s", "bench-generation": "ok"})
-    write_stage(results, 3, {"bench-mfu": "ok", "bench-throughput": "not run (install failed)"})
+    write_stage(results, 3, {"bench-speed": "not run (install failed)"})
     assert next_stage() == "3"
-    write_stage(results, 3, {"bench-mfu": "ok", "bench-throughput": "ok", "bench-moe-compile": "ok"})
+    write_stage(results, 3, {"bench-speed": "ok"})
     assert next_stage() == "none"
     if not torch.cuda.is_available():  # what ran without CUDA is to do again where there is CUDA
         write_stage(results, 1, dict.fromkeys(STAGE_1, "no CUDA"))

@@ -11,7 +11,7 @@ from torchscale_fairseq import models  # noqa: F401  (ts_lm, ts_transformer, ts_
 from torchscale_fairseq.criterions import moe_criterions  # noqa: F401  (moe_* criterions)
 from torchscale_fairseq.encoders import tiktoken_gpt2  # noqa: F401  (--bpe tiktoken_gpt2)
 from torchscale_fairseq.integration.install import install
-from torchscale_fairseq.optim import sparse_clip  # noqa: F401  (--optimizer sparse_clip)
+from torchscale_fairseq.optim import adamw, sparse_clip  # noqa: F401  (--optimizer ts_adamw, sparse_clip)
 from torchscale_fairseq.tasks import streaming_lm, streaming_mlm  # noqa: F401  (--task streaming_lm, streaming_mlm)
 
 install()

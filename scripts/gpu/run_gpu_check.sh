@@ -40,14 +40,13 @@ plan() {
 1|install|420|60|-|bash scripts/gpu/node_install.sh
 1|cpu-smoke|150|40|-|$VPY -m pytest tests/foundation/test_default_device.py tests/optim/test_mixed_precision.py $PYTEST_FLAGS
 1|pytest-gpu|300|170|pytest|$VPY -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_cuda_training.py $PYTEST_FLAGS $XDIST
-1|bench-moe|150|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm both|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm both
+1|bench-moe|150|30|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm both|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm both --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
+1|bench-moe-compile|150|70|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm grouped --compile aot_eager|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm grouped --compile inductor --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
 2|install|420|60|-|bash scripts/gpu/node_install.sh
 2|pytest-gpu-training|360|200|pytest|$VPY -m pytest -m gpu tests/gpu/test_cuda_training.py $PYTEST_FLAGS
 2|bench-generation|150|75|$VPY benchmarks/gpu_generation.py --toy|$VPY benchmarks/gpu_generation.py --rounds 1
 3|install|420|60|-|bash scripts/gpu/node_install.sh
-3|bench-mfu|200|110|$VPY benchmarks/gpu_mfu.py --toy|$VPY benchmarks/gpu_mfu.py
-3|bench-throughput|240|150|$VPY benchmarks/gpu_throughput.py --toy|$VPY benchmarks/gpu_throughput.py --rounds 1
-3|bench-moe-compile|150|90|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm grouped --compile aot_eager|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm grouped --compile inductor
+3|bench-speed|420|330|$VPY benchmarks/gpu_speed.py --toy --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl|$VPY benchmarks/gpu_speed.py --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
 PLAN
 }
 STAGES=(1 2 3)
@@ -128,7 +127,7 @@ mirror() {  # copy the results to $OUT (it comes back from the device machine)
   [ -n "$OUT_DIR" ] && [ "$(cd "$OUT_DIR" 2>/dev/null && pwd)" != "$(cd "$RESULTS" && pwd)" ] || return 0
   mkdir -p "$OUT_DIR"
   cp "$RESULTS"/stage*.md "$RESULTS"/check.log "$RESULTS"/summary.md "$RESULTS"/fairseq_fixed-*.whl \
-     "$RESULTS"/fairseq-wheel.txt "$OUT_DIR"/ 2>/dev/null || true
+     "$RESULTS"/fairseq-wheel.txt "$RESULTS"/gpu_results.jsonl "$OUT_DIR"/ 2>/dev/null || true
 }
 
 device_line() {

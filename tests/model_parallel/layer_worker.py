@@ -38,6 +38,8 @@ from torchscale_fairseq.model_parallel.layers import (
     VocabParallelEmbedding,
     padded_vocab_size,
 )
+from torchscale_fairseq.model_parallel.linear_cross_entropy import linear_cross_entropy
+from torchscale_fairseq.model_parallel.mappings import copy_to_tensor_parallel_region
 from torchscale_fairseq.model_parallel.parallel_context import (
     ParallelContext,
     build_parallel_context,
@@ -206,6 +208,30 @@ def check_cross_entropy(world: int) -> tuple[dict[str, float], list]:
         "plain_nll": err(plain_par, plain),
         "grad_logits": err(par_logits.grad, shard_of(full_grad, 1)),
         "argmax_mismatches": float((~argmax_ok).sum()),
+    }, list(log)
+
+
+def check_linear_cross_entropy(world: int) -> tuple[dict[str, float], list]:
+    """The fused output layer + cross-entropy on this rank's vocabulary rows (padding rows set to
+    large values, which must not count) against the dense output layer and ``F.cross_entropy``."""
+    hidden_full, weight_full = randn(20, B * T, D), randn(21, V, D)
+    target = torch.tensor([0, 5, PAD, 299, 150, 151, 2, 7, PAD, 255, 128, 127, 3, 42, 200])
+    ref_h, ref_w = hidden_full.clone().requires_grad_(), weight_full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_h @ ref_w.t(), target, ignore_index=PAD, reduction="sum")
+    ref.backward()
+    padded = padded_vocab_size(V, world)
+    garbage = torch.full((padded - V, D), 3.0)
+    weight = shard_of(torch.cat([weight_full, garbage]), 0).requires_grad_()
+    hidden = hidden_full.clone().requires_grad_()
+    with record_collectives() as log:
+        loss = linear_cross_entropy(copy_to_tensor_parallel_region(hidden, tp()), weight, target, V, PAD, chunk=4,
+                                    group=tp())
+        loss.backward()
+    full_weight_grad = torch.cat([ref_w.grad, torch.zeros(padded - V, D)])
+    return {
+        "loss": err(loss, ref),
+        "grad_hidden": err(hidden.grad, ref_h.grad),
+        "grad_weight": err(weight.grad, shard_of(full_weight_grad, 0)),
     }, list(log)
 
 
@@ -430,6 +456,8 @@ def main() -> None:
     results["errors"]["embedding"] = check_embedding(dense["embedding"], world)
     results["errors"]["layernorm"] = check_layernorm()
     results["errors"]["cross_entropy"], results["collectives"]["cross_entropy"] = check_cross_entropy(world)
+    results["errors"]["linear_cross_entropy"], results["collectives"]["linear_cross_entropy"] = \
+        check_linear_cross_entropy(world)
     for backbone in ("magneto", "preln"):
         errors, log = check_transformer_layer(backbone, dense[backbone])
         results["errors"][backbone], results["collectives"][backbone] = errors, log

@@ -1,6 +1,7 @@
 """Layer level, N = 2 on gloo: every parallel layer equals its dense PyTorch counterpart
 built from the same full weights (forward and backward, 1e-5 of the reference's scale), the vocabulary-parallel
-cross-entropy equals fairseq's label-smoothed loss on the full logits, and a layer makes
+cross-entropy equals fairseq's label-smoothed loss on the full logits, the fused output layer +
+cross-entropy equals the dense output layer and ``F.cross_entropy``, and a layer makes
 exactly 2 large all-reduces forward and 2 backward (Megatron-LM section 3); selective
 recomputation of the attention core with attention dropout drawn from the tracker streams
 gives the gradients of no recomputation, keeps none of the rank's scores and adds no
@@ -43,6 +44,19 @@ def test_cross_entropy_communicates_per_token_scalars(results):
     b, t, _ = results["shape"]
     log = results["collectives"]["cross_entropy"]
     assert [tuple(entry) for entry in log] == [("all_reduce", "forward", b * t), ("all_reduce", "forward", 3 * b * t)]
+
+
+def test_fused_linear_cross_entropy_equals_dense(results):
+    """Output layer + loss fused in chunks of 4 rows on each rank's vocabulary slice: the dense loss and
+    gradients; per chunk two all-reduces of per-token scalars forward, one of the features' gradient back."""
+    errors = results["errors"]["linear_cross_entropy"]
+    for what in ("loss", "grad_hidden", "grad_weight"):
+        assert errors[what] <= 1e-4 if what == "loss" else errors[what] <= TOL, (what, errors[what])
+    b, t, d = results["shape"]
+    rows = [min(4, b * t - i) for i in range(0, b * t, 4)]
+    expected = [e for n in rows for e in (("all_reduce", "forward", n), ("all_reduce", "forward", 2 * n))]
+    expected.append(("all_reduce", "backward", b * t * d))
+    assert [tuple(entry) for entry in results["collectives"]["linear_cross_entropy"]] == expected
 
 
 def _count(log, direction, numel):

@@ -59,6 +59,8 @@ class StackConfig:
     checkpoint_activations: bool = False  # recompute whole layers (--checkpoint-activations full)
     selective_recompute: bool = False  # recompute only the attention core (--checkpoint-activations selective)
     compile_layers: bool = False
+    fused_cross_entropy: bool = False  # output layer + loss in chunks (--ts-fused-cross-entropy)
+    loss_chunk_tokens: int = 4096
     layernorm_eps: float = 1e-5
     share_input_output_embed: bool = False
     moe: Any = None
@@ -119,6 +121,8 @@ class StackConfig:
             checkpoint_activations=recompute == "full",
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
+            fused_cross_entropy=getattr(args, "ts_fused_cross_entropy", False),
+            loss_chunk_tokens=getattr(args, "ts_loss_chunk_tokens", 4096),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
             share_input_output_embed=getattr(args, "share_decoder_input_output_embed", False),
             moe=moe_config_from_args(args),

@@ -23,7 +23,11 @@ from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, tied_o
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
-from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
+from torchscale_fairseq.model_parallel.linear_cross_entropy import linear_cross_entropy
+from torchscale_fairseq.model_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+)
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
@@ -150,6 +154,19 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         if self.adaptive_softmax is not None:
             return features
         return parallel_logits(features, self.output_weight, self.cfg.tp_group)
+
+    @property
+    def fuses_output_loss(self) -> bool:
+        """Whether criterions call :meth:`output_loss` on the features (``--ts-fused-cross-entropy``)."""
+        return self.cfg.fused_cross_entropy and self.adaptive_softmax is None
+
+    def output_loss(self, features: torch.Tensor, target: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
+        """Summed cross-entropy of :meth:`output_layer` ``(features)`` against ``target``, padded
+        vocabulary entries excluded, without the full logits (:func:`linear_cross_entropy`)."""
+        hidden = copy_to_tensor_parallel_region(features, self.cfg.tp_group)
+        return linear_cross_entropy(
+            hidden.reshape(-1, hidden.size(-1)), self.output_weight, target.reshape(-1), self.vocab_size,
+            ignore_index, self.cfg.loss_chunk_tokens, self.cfg.tp_group, self.cfg.compile_layers)
 
     def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
         """(Log-)probabilities over the real vocabulary; tensor-parallel slices are gathered

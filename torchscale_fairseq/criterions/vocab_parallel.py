@@ -42,6 +42,23 @@ def _sum_or_keep(x: torch.Tensor, reduce: bool) -> torch.Tensor:
 class CrossEntropyCriterion(cross_entropy.CrossEntropyCriterion):
     __doc__ = cross_entropy.CrossEntropyCriterion.__doc__
 
+    def forward(self, model, sample, reduce=True):
+        """fairseq's, but a model built with ``--ts-fused-cross-entropy`` returns its features and
+        its decoder's ``output_loss`` takes the loss without full logits."""
+        decoder = getattr(model, "decoder", None)
+        if not (reduce and getattr(decoder, "fuses_output_loss", False)):
+            return super().forward(model, sample, reduce)
+        net_output = model(**sample["net_input"], features_only=True)
+        loss = decoder.output_loss(net_output[0], model.get_targets(sample, net_output), self.padding_idx)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        return loss, sample_size, logging_output
+
     def compute_loss(self, model, net_output, sample, reduce=True):
         if not _tensor_parallel():
             return super().compute_loss(model, net_output, sample, reduce)

@@ -12,6 +12,7 @@
   SparseClip's dense and expert parts are logged on unscaled gradients;
 - ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`); ``--amp`` on
   the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
+- Python's garbage collector does not run inside a training step (:func:`no_gc_pause`);
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -86,6 +88,20 @@ logger = logging.getLogger(__name__)
 
 EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
+
+
+@contextlib.contextmanager
+def no_gc_pause() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (as nanochat's training loop): a
+    collection triggered by the allocations of a step would pause it, idling the device; it runs
+    at the first allocation after the step instead, while the device works through the step."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class SkippedUpdate(Exception):
@@ -249,7 +265,7 @@ class TsTrainer(Trainer):
     def train_step(self, samples, raise_oom: bool = False):
         updates = self.get_num_updates()
         try:
-            with cpu_autocast(self.cfg.common.amp, self.device), self._scheduled(samples, training=True):
+            with no_gc_pause(), cpu_autocast(self.cfg.common.amp, self.device), self._scheduled(samples, training=True):
                 logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
             discard_expert_loads(self._model)

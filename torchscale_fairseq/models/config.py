@@ -156,6 +156,19 @@ class TsEncoderConfig(FairseqDataclass):
 
 
 @dataclass
+class TsOutputConfig(FairseqDataclass):
+    """The decoder's output layer and loss (:mod:`torchscale_fairseq.model_parallel.linear_cross_entropy`)."""
+
+    ts_fused_cross_entropy: bool = field(default=False, metadata={
+        "help": "compute the output layer and the cross-entropy together, --ts-loss-chunk-tokens tokens at a time, "
+                "never holding all tokens' vocabulary logits (fused linear + cross-entropy, as Liger-Kernel; "
+                "vocabulary-parallel under --model-parallel-size); with --ts-compile the per-chunk softmax and "
+                "gradient are one compiled kernel; criterions cross_entropy and moe_cross_entropy"})
+    ts_loss_chunk_tokens: int = field(default=4096, metadata={
+        "help": "tokens per chunk of --ts-fused-cross-entropy (memory: chunk x vocabulary x 4 bytes)"})
+
+
+@dataclass
 class TsPipelineConfig(FairseqDataclass):
     """Pipeline parallelism (:mod:`torchscale_fairseq.model_parallel.pipeline_parallel`)."""
 
@@ -175,13 +188,13 @@ class TsPipelineConfig(FairseqDataclass):
 
 
 @dataclass
-class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsPipelineConfig):
+class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsOutputConfig, TsPipelineConfig):
     tokens_per_sample: int = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
 
 
 @dataclass
-class TsTransformerConfig(TsCommonConfig, TsEncoderConfig, TsDecoderConfig):
+class TsTransformerConfig(TsCommonConfig, TsEncoderConfig, TsDecoderConfig, TsOutputConfig):
     share_all_embeddings: bool = field(default=False, metadata={"help": "one embedding for source, target, output"})
     max_source_positions: int = II("task.max_source_positions")
     max_target_positions: int = II("task.max_target_positions")
@@ -212,6 +225,18 @@ def validate_common(args: Any) -> None:
         )
     if getattr(args, "xpos", False) and getattr(args, "rel_pos_buckets", 0) > 0:
         raise TsConfigError("--xpos and --rel-pos-buckets are two relative position schemes: choose one")
+    if getattr(args, "ts_loss_chunk_tokens", 1) < 1:
+        raise TsConfigError(
+            f"--ts-loss-chunk-tokens {args.ts_loss_chunk_tokens} is not a positive number of tokens: use e.g. 4096"
+        )
+    if getattr(args, "ts_fused_cross_entropy", False) and getattr(args, "adaptive_softmax_cutoff", None):
+        raise TsConfigError(
+            "--ts-fused-cross-entropy fuses a full output layer, but --adaptive-softmax-cutoff replaces it: drop one"
+        )
+    if getattr(args, "ts_fused_cross_entropy", False) and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise TsConfigError(
+            "--ts-fused-cross-entropy does not run under --pipeline-model-parallel-size > 1 yet: drop one of the two"
+        )
     # torch.compile takes no custom context_fn in torch.utils.checkpoint, and the tensor-parallel
     # stream replay is one: full recomputation always passes it, selective only under TP
     recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))

@@ -1,0 +1,237 @@
+"""Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` and a 1.3B model as
+users train them (sequence 2048, GPT-2's 50,257-token vocabulary, bf16), the plugin's default
+path ("baseline") and its fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
+ts_adamw``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
+on the same data, a profile of one update of every run (``train_profile.py``: where the time
+goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
+width). Each figure becomes one JSON line (``--results``) with the issue's metric names.
+
+    python benchmarks/gpu_speed.py --results $OUT/gpu_results.jsonl --log-dir $OUT   # on the node
+    python benchmarks/gpu_speed.py --toy --results /tmp/r.jsonl                      # the code path on CPU
+
+MFU = tokens/s x FLOPs per token (``mfu.flops_per_token``: 6 x parameters of the matrix products
+plus 12 L T d for attention) over the datasheet dense bf16 rate (989 TFLOP/s for the H100 SXM and
+the H200) and over the 8192^3 bf16 GEMM rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import (
+    DATASHEET_BF16,
+    REPO,
+    USER_DIR,
+    append_results,
+    decoder_dim_flags,
+    device_line,
+    git_commit,
+    make_words,
+    now,
+    tool,
+    write_lm_corpus,
+)
+from mfu import flops_per_token, gemm_flops_per_s
+
+GPT2_VOCAB = 50257
+SEQ = 2048
+CONFIGS = {  # name: (layers width heads FFN, sequences per update)
+    "ts_lm_large": ("12 1024 16 4096", 8),
+    "1p3b": ("24 2048 16 8192", 4),
+}
+FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw"]
+TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5}
+WINDOW, PROFILE = (11, 30), 31  # timed updates, then the profiled one
+DEFAULT_DATA = REPO / "outputs" / "gpu_speed_data" / "data-bin"
+
+
+def gpt2_sized_data(work: Path, train_tokens: int, vocab: int) -> Path:
+    """Zipf text over ``vocab`` pseudo-words binarised with a dictionary of all of them (GPT-2's
+    size: 50,257 words, the full stop and fairseq's 4 symbols, padded to a multiple of 8 as
+    fairseq-preprocess pads: 50,264 entries, as fairseq's GPT-2 dictionary)."""
+    dest = work / "data-bin"
+    if (dest / "train.bin").exists():
+        return dest
+    text = write_lm_corpus(work / "text", vocab, train_tokens)
+    words = make_words(vocab, random.Random(1)) + ["."]  # write_lm_corpus's words, in its order
+    words += [f"madeupword{i:04d}" for i in range(-(len(words) + 4) % 8)]  # as fairseq's --padding-factor 8
+    (work / "dict.txt").write_text("".join(f"{w} 1\n" for w in words))
+    subprocess.run([tool("fairseq-preprocess"), "--only-source", "--srcdict", str(work / "dict.txt"),
+                    "--trainpref", str(text["train"]), "--validpref", str(text["valid"]), "--destdir", str(dest),
+                    "--workers", str(min(16, os.cpu_count() or 1))], check=True, capture_output=True)
+    return dest
+
+
+def train_args(data: Path, arch_flags: list[str], batch: int, toy: bool) -> list[str]:
+    device = ["--cpu"] if toy else ["--bf16"]
+    return [str(data), "--task", "language_modeling", "--tokens-per-sample", str(SEQ if not toy else 64),
+            "--sample-break-mode", "none", *arch_flags, "--share-decoder-input-output-embed", "--dropout", "0.1",
+            *device, "--lr", "5e-4", "--batch-size", str(batch), "--log-format", "json", "--log-interval", "100",
+            "--disable-validation", "--no-save", "--seed", "1", "--num-workers", "2"]
+
+
+def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int], profile: int, log_dir: Path,
+                 timeout: int) -> dict | None:
+    out = log_dir / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).with_name("train_profile.py")), "--time", f"{window[0]}:{window[1]}",
+           "--profile", str(profile), "--tokens", str(tokens), "--out", str(out), "--", *args]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        failed = proc.returncode != 0
+        tail = (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        failed, tail = True, f"TIMEOUT after {timeout} s\n" + str(e.stdout or "")[-2000:]
+    (log_dir / f"{name}.log").write_text(" ".join(cmd) + "\n" + tail)
+    if failed or not out.exists():
+        print(f"[{name}] FAILED in {time.time() - start:.0f} s:\n{tail[-1500:]}", flush=True)
+        return None
+    result = json.loads(out.read_text())
+    result["command"] = "fairseq-train " + " ".join(args[1:])
+    result["seconds"] = time.time() - start
+    print(f"[{name}] {result['tokens_per_s']:,.0f} tokens/s ({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
+def sdpa_backends(shapes: list[tuple[int, int, int, int]], device: str) -> dict[str, dict[str, float]]:
+    """Forward + backward ms of causal bf16 SDPA per kernel (flash, cuDNN, memory-efficient)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    results: dict[str, dict[str, float]] = {}
+    for b, h, t, d in shapes:
+        q, k, v = (torch.randn(b, h, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+        row = {}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            def step(backend=backend, q=q, k=k, v=v, grad=grad):
+                with sdpa_kernel([backend]):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, (q, k, v), grad)
+            try:
+                row[backend.name.lower()] = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+            except RuntimeError as e:
+                row[backend.name.lower()] = float("nan")
+                print(f"sdpa {backend.name} at {(b, h, t, d)}: {str(e).splitlines()[0]}")
+        results[f"{b}x{h}x{t}x{d}"] = row
+    return results
+
+
+def output_gemm_widths(tokens: int, dim: int, widths: list[int], device: str) -> dict[int, float]:
+    """ms of the output layer's three GEMMs (logits, input and weight gradients) per vocabulary width."""
+    import triton.testing
+
+    h = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    out = {}
+    for v in widths:
+        w = torch.randn(v, dim, device=device, dtype=torch.bfloat16)
+        g = torch.randn(tokens, v, device=device, dtype=torch.bfloat16)
+        out[v] = triton.testing.do_bench(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h), warmup=25, rep=100,
+                                         return_mode="median")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, required=True, help="append the JSON lines here")
+    p.add_argument("--log-dir", type=Path, help="per-run logs and profiles (default: a temp dir)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="binarised LM data; made there (synthetic text, GPT-2-sized dictionary) if missing")
+    p.add_argument("--only", nargs="+", help="run names to run (large_fast large_base stock 1p3b_fast 1p3b_base)")
+    p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
+    p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.toy
+    device = "cuda" if cuda else "cpu"
+    print(f"date: {now()} | commit {git_commit()} | {device_line(device)}", flush=True)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="ts_gpu_speed_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    vocab = 500 if args.toy else GPT2_VOCAB
+    configs = {"toy": ("2 64 2 128", 2)} if args.toy else CONFIGS
+    window, profile = ((2, 3), 4) if args.toy else (WINDOW, PROFILE)
+    tokens_needed = max(b for _, b in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
+    data = gpt2_sized_data(args.data.parent, tokens_needed, vocab) if not args.toy else \
+        gpt2_sized_data(log_dir / "data", tokens_needed, vocab)
+    vocab_padded = sum(1 for _ in (data / "dict.txt").open()) + 4
+    peak_before = gemm_flops_per_s(8192, 8192, 8192, 20, device, "bf16") if cuda else float("nan")
+    summary: dict = {"vocab": vocab_padded, "runs": {}}
+    if cuda and args.micro:
+        summary["sdpa_ms"] = sdpa_backends([(8, 16, SEQ, 64), (4, 16, SEQ, 128)], device)
+        summary["output_gemm_ms"] = output_gemm_widths(8 * SEQ, 1024, [vocab_padded, -(-vocab_padded // 128) * 128],
+                                                       device)
+        print(json.dumps({k: summary[k] for k in ("sdpa_ms", "output_gemm_ms")}), flush=True)
+    plan = []
+    for cname, (dims, batch) in configs.items():
+        arch = ["--user-dir", str(USER_DIR), "--arch", "ts_lm_large", *decoder_dim_flags(dims), "--backbone", "magneto"]
+        short = "large" if cname == "ts_lm_large" else cname
+        plan.append((f"{short}_fast", cname, arch + FAST, batch))
+        plan.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch))
+        if cname in ("ts_lm_large", "toy"):
+            width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
+            stock = ["--arch", "transformer_lm", *decoder_dim_flags(dims), "--decoder-input-dim", width,
+                     "--decoder-output-dim", width, "--optimizer", "adam"]
+            plan.append(("stock", cname, stock, batch))
+    for name, cname, flags, batch in plan:
+        if args.only and name not in args.only:
+            continue
+        tokens = batch * (SEQ if not args.toy else 64)
+        result = run_profiled(name, train_args(data, flags, batch, args.toy), tokens, window, profile, log_dir,
+                              timeout=60 if args.toy else (150 if cname == "ts_lm_large" else 200))
+        if result is not None:
+            result["flops_per_token"] = flops_per_token(vocab_padded, SEQ if not args.toy else 64,
+                                                        configs[cname][0])["total"]
+            summary["runs"][name] = result
+            record(name, cname, result, summary["runs"], peak_before, args.results, device)
+    summary["gemm_peak"] = [peak_before, gemm_flops_per_s(8192, 8192, 8192, 20, device, "bf16") if cuda else None]
+    (log_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    print_table(summary["runs"])
+    return 0
+
+
+def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path, device: str) -> None:
+    """One run's metrics as JSON lines, as soon as it is measured (MFU of the fast path under the issue's
+    names, of the default path with ``_baseline``; the fast path over stock once both ran)."""
+    variant = name.rsplit("_", 1)[-1]
+    if variant in ("fast", "base"):
+        suffix = "" if variant == "fast" else "_baseline"
+        achieved = r["tokens_per_s"] * r["flops_per_token"]
+        rows = [(f"mfu_datasheet_{config}{suffix}", achieved / DATASHEET_BF16,
+                 None if suffix else TARGETS.get(f"mfu_datasheet_{config}"))]
+        if peak == peak:  # measured on a GPU
+            rows.append((f"mfu_measured_{config}{suffix}", achieved / peak, None))
+        append_results(path, rows, device, r["command"])
+        print("\n".join(f"RESULT {m} {v:.4f} (target {t})" for m, v, t in rows), flush=True)
+    fast = runs.get("large_fast") or runs.get("toy_fast")
+    if name in ("stock", "large_fast", "toy_fast") and fast is not None and "stock" in runs:
+        ratio = fast["tokens_per_s"] / runs["stock"]["tokens_per_s"]
+        append_results(path, [("tokens_per_s_vs_stock", ratio, TARGETS["tokens_per_s_vs_stock"])], device,
+                       fast["command"] + " vs " + runs["stock"]["command"])
+        print(f"RESULT tokens_per_s_vs_stock {ratio:.4f} (target {TARGETS['tokens_per_s_vs_stock']})", flush=True)
+
+
+def print_table(runs: dict) -> None:
+    """Where each run's profiled update spent its time (ms and share of the step)."""
+    names = ("gemm", "attention", "norms_elementwise", "loss", "optimizer", "copies", "idle")
+    print("\n| run | tokens/s | step ms | " + " | ".join(names) + " | host syncs |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    for name, r in runs.items():
+        prof = r.get("profile")
+        if prof is None:
+            print(f"| {name} | {r['tokens_per_s']:,.0f} | - |" + " - |" * len(names) + " - |")
+            continue
+        cells = " | ".join(f"{prof['rows_ms'][k]:.1f} ({100 * prof['rows_share'][k]:.0f}%)" for k in names)
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {prof['step_ms']:.1f} | {cells} | {prof['host_syncs']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""One ``fairseq-train`` run in this process, timed over a window of updates and with one update
+profiled: where a training step's device time goes.
+
+    python benchmarks/train_profile.py --time 10:30 --profile 31 --out run.json -- DATA --arch ts_lm_large ...
+
+Everything after ``--`` is ``fairseq-train``'s command line (``--max-update`` is set to one past
+the profiled update). ``fairseq.trainer.Trainer.train_step`` is wrapped: the device is
+synchronised before the window's first update and after its last (no other sync is added),
+so ``tokens/s`` = window tokens / window seconds; then update ``--profile`` runs under
+``torch.profiler`` with ``torch.cuda.set_sync_debug_mode("warn")``, and its trace is summarised
+by :func:`summarise` into the issue's rows:
+
+- ``gemm``: matrix-product kernels; ``attention``: fused attention kernels;
+- ``loss``: kernels launched by the criterion's loss (its forward and its backward nodes);
+- ``optimizer``: kernels launched inside fairseq's ``optimizer``, ``clip-grads``,
+  ``multiply-grads`` and ``reduce-grads`` ranges (gradient norm, clipping, Adam);
+- ``copies``: memcpy/memset and the kernels of ``copy_``, ``to``, ``cat``, ``contiguous``;
+- ``norms_elementwise``: every other kernel (LayerNorms, GELU, dropout, residual adds, ...);
+- ``idle``: step time not covered by any kernel (launch gaps, host work, host syncs);
+- ``host_syncs``: ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize``
+  calls in the step, and where each came from (the first frame in fairseq or this plugin).
+
+The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
+profile's rows (ms and share of the step) and the 15 longest kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|_mm_|splitk", re.I)
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|mha", re.I)
+COPY_OPS = re.compile(r"^aten::(copy_|to|_to_copy|cat|contiguous|clone|stack|index_select)$")
+LOSS_OPS = re.compile(r"log_softmax|nll_loss|cross_entropy|LogSoftmaxBackward|NllLossBackward|_LinearCrossEntropy"
+                      r"|ts_loss")
+OPTIMIZER_RANGES = ("optimizer", "clip-grads", "multiply-grads", "reduce-grads")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+ROWS = ("gemm", "attention", "norms_elementwise", "loss", "optimizer", "copies", "idle")
+STEP_RANGE = "ts_profiled_step"
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarise(trace: dict) -> dict[str, Any]:
+    """The rows of one profiled step from a chrome trace (``prof.export_chrome_trace``): device
+    time per category, idle time, host syncs and the longest kernels (times in ms)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    step = next(e for e in events if e.get("name") == STEP_RANGE and e.get("cat") == "user_annotation")
+    lo, hi = step["ts"], step["ts"] + step["dur"]
+    ops_by_tid: dict[Any, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and lo <= e["ts"] <= hi:
+            ops_by_tid[e["tid"]].append(e)
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+    def enclosing(launch: dict) -> list[str]:
+        t = launch["ts"]
+        return [o["name"] for o in ops_by_tid.get(launch["tid"], []) if o["ts"] <= t <= o["ts"] + o["dur"]]
+
+    rows: dict[str, float] = Counter()
+    busy, kernels = [], Counter()
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+        if end <= start:
+            continue
+        busy.append((start, end))
+        ms = (end - start) / 1e3
+        kernels[e["name"][:120]] += ms
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        names = enclosing(launch) if launch is not None else []
+        if any(n in OPTIMIZER_RANGES for n in names):
+            row = "optimizer"
+        elif any(LOSS_OPS.search(n) for n in names):
+            row = "loss"
+        elif e["cat"] != "kernel" or any(COPY_OPS.match(n) for n in names[-1:]):
+            row = "copies"
+        elif GEMM.search(e["name"]):
+            row = "gemm"
+        elif ATTENTION.search(e["name"]):
+            row = "attention"
+        else:
+            row = "norms_elementwise"
+        rows[row] += ms
+    step_ms = (hi - lo) / 1e3
+    rows["idle"] = step_ms - _union_length(busy) / 1e3
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS and lo <= e["ts"] <= hi]
+    return {
+        "step_ms": step_ms,
+        "rows_ms": {r: rows.get(r, 0.0) for r in ROWS},
+        "rows_share": {r: rows.get(r, 0.0) / step_ms for r in ROWS},
+        "host_syncs": max(len(syncs) - 1, 0),  # the last one is the profiler's own, closing the step
+        "top_kernels": [{"name": n, "ms": ms} for n, ms in kernels.most_common(15)],
+    }
+
+
+def _sync_site() -> str:
+    """The innermost frame of fairseq or this plugin on the current stack."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/fairseq/" in frame.filename or "/torchscale_fairseq/" in frame.filename:
+            return f"{frame.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+@contextlib.contextmanager
+def sync_sites(cuda: bool):
+    """Where the code syncs the host with the device (``set_sync_debug_mode``'s warnings)."""
+    sites: Counter = Counter()
+    if not cuda:
+        yield sites
+        return
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            sites[_sync_site()] += 1
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    torch.cuda.set_sync_debug_mode("warn")
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            yield sites
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+
+
+def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_per_update: int) -> None:
+    """Time updates ``first``..``last`` (inclusive; update k is the one that starts with
+    ``get_num_updates() == k - 1``) and profile update ``profile_at``, writing ``out``."""
+    from fairseq.trainer import Trainer
+
+    original = Trainer.train_step
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    marks: dict[str, float] = {}
+    result: dict[str, Any] = {"tokens_per_update": tokens_per_update, "window": [first, last]}
+
+    def train_step(self, samples, raise_oom=False):
+        update = self.get_num_updates() + 1
+        if update == first:
+            sync()
+            marks["start"] = time.perf_counter()
+        if update != profile_at:
+            output = original(self, samples, raise_oom)
+        else:
+            from torch.profiler import ProfilerActivity, profile, record_function
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            sync()
+            with sync_sites(cuda) as sites, profile(activities=activities) as prof:
+                with record_function(STEP_RANGE):
+                    output = original(self, samples, raise_oom)
+                    sync()
+            trace_path = out.with_suffix(".trace.json")
+            prof.export_chrome_trace(str(trace_path))
+            if cuda:
+                result["profile"] = summarise(json.loads(trace_path.read_text()))
+            result["sync_sites"] = dict(sites.most_common())
+            trace_path.unlink()
+        if update == last:
+            sync()
+            seconds = time.perf_counter() - marks["start"]
+            result["window_seconds"] = seconds
+            result["tokens_per_s"] = tokens_per_update * (last - first + 1) / seconds
+        if update == max(last, profile_at):
+            out.write_text(json.dumps(result, indent=1))
+        return output
+
+    Trainer.train_step = train_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("usage: train_profile.py --time A:B --profile K --tokens N --out FILE -- FAIRSEQ_TRAIN_ARGS")
+    split = argv.index("--")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--time", required=True, help="first:last update of the timed window")
+    p.add_argument("--profile", type=int, required=True, help="the update to profile (after the window)")
+    p.add_argument("--tokens", type=int, required=True, help="tokens per update (batch x sequence)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv[:split])
+    first, last = (int(x) for x in args.time.split(":"))
+    if not 1 <= first <= last < args.profile:
+        raise SystemExit(f"--time {args.time} --profile {args.profile}: need 1 <= first <= last < profile")
+    wrap_train_step(first, last, args.profile, args.out, args.tokens)
+    from fairseq_cli import train
+
+    sys.argv = ["fairseq-train", *argv[split + 1:], "--max-update", str(args.profile)]
+    train.cli_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
