@@ -72,11 +72,12 @@ def gpt2_sized_data(work: Path, train_tokens: int, vocab: int) -> Path:
 
 
 def train_args(data: Path, arch_flags: list[str], batch: int, toy: bool) -> list[str]:
+    """fairseq-train's arguments; ``arch_flags`` last, so that they override the defaults before them."""
     device = ["--cpu"] if toy else ["--bf16"]
     return [str(data), "--task", "language_modeling", "--tokens-per-sample", str(SEQ if not toy else 64),
-            "--sample-break-mode", "none", *arch_flags, "--share-decoder-input-output-embed", "--dropout", "0.1",
+            "--sample-break-mode", "none", "--share-decoder-input-output-embed", "--dropout", "0.1",
             *device, "--lr", "5e-4", "--batch-size", str(batch), "--log-format", "json", "--log-interval", "100",
-            "--disable-validation", "--no-save", "--seed", "1", "--num-workers", "2"]
+            "--disable-validation", "--no-save", "--seed", "1", "--num-workers", "2", *arch_flags]
 
 
 def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int], profile: int, log_dir: Path,
@@ -96,7 +97,7 @@ def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int
         print(f"[{name}] FAILED in {time.time() - start:.0f} s:\n{tail[-1500:]}", flush=True)
         return None
     result = json.loads(out.read_text())
-    result["command"] = "fairseq-train " + " ".join(args[1:])
+    result["command"] = "fairseq-train DATA " + " ".join(args[1:])
     result["seconds"] = time.time() - start
     print(f"[{name}] {result['tokens_per_s']:,.0f} tokens/s ({result['seconds']:.0f} s)", flush=True)
     return result
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", type=Path, help="per-run logs and profiles (default: a temp dir)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="binarised LM data; made there (synthetic text, GPT-2-sized dictionary) if missing")
-    p.add_argument("--only", nargs="+", help="run names to run (large_fast large_base stock 1p3b_fast 1p3b_base)")
+    p.add_argument("--only", nargs="+", help="run names to run (large_fast large_base large_fastp0 stock "
+                                              "1p3b_fast 1p3b_base 1p3b_fastp0; *_fastp0: --dropout 0)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
     args = p.parse_args(argv)
@@ -175,9 +177,12 @@ def main(argv=None) -> int:
         short = "large" if cname == "ts_lm_large" else cname
         plan.append((f"{short}_fast", cname, arch + FAST, batch))
         plan.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch))
+        plan.append((f"{short}_fastp0", cname, arch + FAST + ["--dropout", "0.0"], batch))
         if cname in ("ts_lm_large", "toy"):
             width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
-            stock = ["--arch", "transformer_lm", *decoder_dim_flags(dims), "--decoder-input-dim", width,
+            # the plugin's trainer: stock fairseq's --bf16 runs on TPUs only; model and loss are stock fairseq's
+            stock = ["--user-dir", str(USER_DIR), "--arch", "transformer_lm", *decoder_dim_flags(dims),
+                     "--decoder-input-dim", width,
                      "--decoder-output-dim", width, "--optimizer", "adam"]
             plan.append(("stock", cname, stock, batch))
     for name, cname, flags, batch in plan:
@@ -201,9 +206,8 @@ def main(argv=None) -> int:
 def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path, device: str) -> None:
     """One run's metrics as JSON lines, as soon as it is measured (MFU of the fast path under the issue's
     names, of the default path with ``_baseline``; the fast path over stock once both ran)."""
-    variant = name.rsplit("_", 1)[-1]
-    if variant in ("fast", "base"):
-        suffix = "" if variant == "fast" else "_baseline"
+    suffix = {"fast": "", "base": "_baseline", "fastp0": "_dropout0"}.get(name.rsplit("_", 1)[-1])
+    if suffix is not None:
         achieved = r["tokens_per_s"] * r["flops_per_token"]
         rows = [(f"mfu_datasheet_{config}{suffix}", achieved / DATASHEET_BF16,
                  None if suffix else TARGETS.get(f"mfu_datasheet_{config}"))]

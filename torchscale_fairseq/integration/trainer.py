@@ -12,7 +12,8 @@
   SparseClip's dense and expert parts are logged on unscaled gradients;
 - ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`); ``--amp`` on
   the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
-- Python's garbage collector does not run inside a training step (:func:`no_gc_pause`);
+- Python's garbage collector does not run inside a training step (:func:`no_gc_pause`), and the
+  step's logging adds no host sync (:meth:`TsTrainer._reduce_and_log_stats`);
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
@@ -44,7 +45,7 @@ import functools
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -102,6 +103,32 @@ def no_gc_pause() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+class LazyLoggingOutput(Mapping):
+    """fairseq's per-step logging output (``agg.get_smoothed_values()`` plus ``sample_size``, less
+    ``ppl``, ``wps``, ``wpb`` and ``bsz``), computed on first read: each value is a host sync."""
+
+    def __init__(self, agg: Any, sample_size: Any) -> None:
+        self._agg, self._sample_size, self._values = agg, sample_size, None
+
+    def _read(self) -> dict:
+        if self._values is None:
+            values = dict(self._agg.get_smoothed_values())
+            for key in ("ppl", "wps", "wpb", "bsz"):
+                values.pop(key, None)
+            values["sample_size"] = self._sample_size
+            self._values = values
+        return self._values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 class SkippedUpdate(Exception):
@@ -228,6 +255,26 @@ class TsTrainer(Trainer):
         if not self.cfg.common.amp and not bool(torch.isfinite(norm).all()):
             raise SkippedUpdate(f"non-finite gradient norm {float(norm)}: update skipped")
         return norm
+
+    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        """fairseq's, without its host syncs in a training step, so the host can queue the next
+        step while the device finishes this one: a norm that reaches here is finite (a non-finite
+        one skipped the update in :meth:`clip_grad_norm`), so fairseq's second ``isfinite`` test is
+        not repeated; and the per-step return value, which fairseq-train does not read (it logs
+        the meters every ``--log-interval``), is reduced only when read (:class:`LazyLoggingOutput`)."""
+        if grad_norm is None or self.tpu or self.cfg.common.amp:  # --amp may reach here with a non-finite norm
+            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+        metrics.log_speed("ups", 1.0, priority=100, round=2)
+        metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
+        clip_norm = self.cfg.optimization.clip_norm
+        if clip_norm > 0:
+            clipped = torch.where(grad_norm > clip_norm, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
+            metrics.log_scalar("clip", clipped, priority=500, round=1)
+        with metrics.aggregate() as agg:
+            self.task.reduce_metrics(logging_outputs, self.get_criterion())
+            if "loss" not in agg:  # fairseq's placeholder for a criterion that logs no loss
+                metrics.log_scalar("loss", -1)
+        return LazyLoggingOutput(agg, sample_size)
 
     def _log_norm_parts(self, factor: float | torch.Tensor) -> None:
         sparse = _sparse_clip(self.optimizer)
