@@ -69,7 +69,10 @@ DATASHEET_BF16 = 989e12  # dense bf16 FLOP/s of the H100 SXM and the H200 (NVIDI
 
 
 def git_commit() -> str:
-    """HEAD's short hash, `` (modified)`` when the working tree differs from it."""
+    """``TS_COMMIT`` where set (a copy of the working tree whose git metadata is not its own, as the
+    device tool's), else HEAD's short hash, `` (modified)`` when the working tree differs from it."""
+    if os.environ.get("TS_COMMIT"):
+        return os.environ["TS_COMMIT"]
     out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
     return (out.stdout.strip() or "?") + (" (modified)" if dirty else "")

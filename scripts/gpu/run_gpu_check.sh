@@ -20,7 +20,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WH="${WHEELHOUSE:-$ROOT/scripts/gpu/wheelhouse}"
 RESULTS="${GPU_CHECK_RESULTS:-$ROOT/outputs/gpu}"
-OUT_DIR="${OUT:-}"                          # the device tool's folder that comes back (8 files at most: 7 here)
+OUT_DIR="${OUT:-}"                          # the device tool's folder that comes back (8 files at most: 8 here)
 PY="${PYTHON:-python3}"                     # the node's Python with its CUDA torch
 VENV="${GPU_VENV:-/tmp/ts_gpu_venv}"
 VPY="$VENV/bin/python"
@@ -150,7 +150,7 @@ write_stage() {  # write_stage STAGE: stageN.md from the rows recorded, in plan 
     echo "# GPU check, stage $stage ($(date -u '+%Y-%m-%d %H:%M UTC'))"
     echo
     echo "$DEVICE"
-    echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (modified)'); stage limit ${STAGE_LIMIT[$stage]} s x slowdown $SLOWDOWN"
+    echo "commit: ${TS_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (modified)')}; stage limit ${STAGE_LIMIT[$stage]} s x slowdown $SLOWDOWN"
     echo
     echo "| step | status | seconds | result |"
     echo "|---|---|---|---|"

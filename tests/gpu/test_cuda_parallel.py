@@ -30,8 +30,8 @@ LAYER_WORKER = REPO / "tests" / "model_parallel" / "layer_worker.py"
 def test_parallel_layers_on_cuda_equal_dense(tmp_path):
     """``layer_worker.py`` (the CPU layer checks of ``test_mp_layers.py``) with every tensor on the GPU."""
     errors = run_worker_ranks(LAYER_WORKER, 2, tmp_path, "cuda", timeout=300)["errors"]
-    assert set(errors) == {"column", "row", "embedding", "layernorm", "cross_entropy", "magneto", "preln",
-                           "sp_magneto", "sp_preln", "sp_moe"}
+    assert set(errors) == {"column", "row", "embedding", "layernorm", "cross_entropy", "linear_cross_entropy",
+                           "magneto", "preln", "sp_magneto", "sp_preln", "sp_moe"}
     for layer, values in errors.items():
         for what, value in values.items():
             # the tolerances of test_mp_layers.py

@@ -164,9 +164,10 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         """Summed cross-entropy of :meth:`output_layer` ``(features)`` against ``target``, padded
         vocabulary entries excluded, without the full logits (:func:`linear_cross_entropy`)."""
         hidden = copy_to_tensor_parallel_region(features, self.cfg.tp_group)
-        return linear_cross_entropy(
-            hidden.reshape(-1, hidden.size(-1)), self.output_weight, target.reshape(-1), self.vocab_size,
-            ignore_index, self.cfg.loss_chunk_tokens, self.cfg.tp_group, self.cfg.compile_layers)
+        with torch.profiler.record_function("ts_loss"):  # the loss's row in benchmarks/train_profile.py
+            return linear_cross_entropy(
+                hidden.reshape(-1, hidden.size(-1)), self.output_weight, target.reshape(-1), self.vocab_size,
+                ignore_index, self.cfg.loss_chunk_tokens, self.cfg.tp_group, self.cfg.compile_layers)
 
     def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
         """(Log-)probabilities over the real vocabulary; tensor-parallel slices are gathered

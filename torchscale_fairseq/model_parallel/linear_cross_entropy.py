@@ -14,7 +14,8 @@ then fp32), their row maxima and sums (two all-reduces of per-row scalars across
 
     g_c = (softmax(z_c) - onehot(t_c)) * keep_c,   dh_c = g_c W_r,   dW_r += g_c^T h_c,
 
-so only one chunk's ``chunk x V_p / n`` logits exist at a time. Backward multiplies the kept
+so only one chunk's ``chunk x V_p / n`` logits exist at a time (compiled: the last chunk is padded
+to ``chunk`` rows that count for nothing, one graph shape). Backward multiplies the kept
 ``dh`` and ``dW_r`` by the incoming scalar gradient. The per-chunk softmax and gradient are
 :func:`chunk_loss_and_grad`, plain PyTorch; with ``compiled`` (``--ts-compile``) they run
 through ``torch.compile`` (one fused kernel instead of about ten passes over the chunk).
@@ -67,7 +68,10 @@ def chunk_loss_and_grad(
 
 @functools.cache
 def _compiled_chunk_loss_and_grad():
-    return torch.compile(chunk_loss_and_grad, dynamic=True)
+    """One static-shape graph: every chunk it sees is ``chunk x V_r`` (the last one padded), so its
+    kernels are tuned for the real size (a dynamic graph reuses kernels tuned for the first size
+    seen, even from the inductor cache of another process: 7x slower at 16,384 x 50,264 on an H200)."""
+    return torch.compile(chunk_loss_and_grad, dynamic=False)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -98,11 +102,17 @@ def _loss_and_grads(hidden, weight, target, vocab_size, ignore_index, chunk, gro
         local_t = t - start
         in_range = ((local_t >= 0) & (local_t < local_v)).float()
         keep = t.ne(ignore_index).float() if ignore_index is not None else torch.ones_like(in_range)
+        n = h.size(0)
+        if compiled and n < chunk:  # the compiled graph's one shape: rows that count for nothing
+            h, local_t, in_range, keep = (torch.nn.functional.pad(x, (0, 0, 0, chunk - n) if x.dim() == 2
+                                                                  else (0, chunk - n))
+                                          for x in (h, local_t, in_range, keep))
         chunk_loss, grad = step(torch.mm(h, weight.t()), local_t.clamp(0, local_v - 1), in_range, keep,
                                 valid_columns, group, with_grad)
         loss = loss + chunk_loss
         if not with_grad:
             continue
+        grad, h = grad[:n], h[:n]
         torch.mm(grad, weight, out=grad_hidden[i:i + chunk])
         part = torch.mm(grad.t(), h)
         grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
