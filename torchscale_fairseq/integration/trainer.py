@@ -49,7 +49,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from fairseq import utils
+from fairseq import optim, utils
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
@@ -81,6 +81,7 @@ from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
 from torchscale_fairseq.modules.moe.layer import discard_expert_loads, update_expert_biases
+from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
 from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
@@ -89,6 +90,17 @@ logger = logging.getLogger(__name__)
 
 EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
+
+
+@contextlib.contextmanager
+def _building(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` for the duration (fairseq's trainer looks its wrapper classes up there)."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -225,7 +237,8 @@ class TsTrainer(Trainer):
     # optimizer, gradient norm, skipped updates ------------------------------------------
 
     def _build_optimizer(self) -> None:
-        """fairseq's optimizer; with ``--zero-sharding os`` its state is sharded over the
+        """fairseq's optimizer (``--fp16``/``--bf16``: :class:`~torchscale_fairseq.optim.flat_master.ForeachFP16Optimizer`,
+        whose flat fp32 master is copied with multi-tensor copies); with ``--zero-sharding os`` its state is sharded over the
         data-parallel group by :mod:`torchscale_fairseq.optim.zero` (fairseq's own branch,
         fairscale's ``OSS``, is kept out by hiding the flag from ``super()``), after the fp32
         masters got their parameters' attributes: experts stay local, unsharded."""
@@ -233,7 +246,8 @@ class TsTrainer(Trainer):
         with open_dict(self.cfg):
             self.cfg.distributed_training.zero_sharding = "none"
         try:
-            super()._build_optimizer()
+            with _building(optim, "FP16Optimizer", ForeachFP16Optimizer):
+                super()._build_optimizer()
         finally:
             with open_dict(self.cfg):
                 self.cfg.distributed_training.zero_sharding = sharding

@@ -1,0 +1,74 @@
+"""``--bf16`` / ``--fp16``'s fp32 masters under the plugin's trainer (``optim/flat_master.py``): its
+multi-tensor copies give, bit for bit, what fairseq's own per-parameter copies
+(``fairseq.optim.FP16Optimizer``'s methods, called on the same optimizer) give, in both directions,
+for per-parameter masters (``--bf16``: fairseq never flattens them) and for ``--fp16``'s flat master."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.optim import FP16Optimizer
+
+from tests.cli_utils import USER_DIR
+from tests.moe.dist_harness import sample_of
+from torchscale_fairseq.integration.trainer import TsTrainer
+from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
+
+
+def trainer(lm_data, *extra: str) -> TsTrainer:
+    argv = [str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+            "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+            "--decoder-layers", "2", "--tokens-per-sample", "16", "--dropout", "0", "--optimizer", "adam",
+            "--lr", "1e-3", "--max-tokens", "4096", *extra]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    return TsTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_multi_tensor_copies_equal_fairseqs_per_parameter_copies(lm_data, flat):
+    t = trainer(lm_data, "--fp16" if flat else "--bf16")  # fairseq flattens --fp16's master, never --bf16's
+    t.train_step([sample_of(torch.randint(4, 30, (4, 17), generator=torch.Generator().manual_seed(0)))])
+    opt = t.optimizer
+    assert type(opt) is ForeachFP16Optimizer and opt.has_flat_params == flat
+    params = opt.fp16_params
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    if flat:
+        params[3].grad = None  # fairseq copies zeros for a parameter without a gradient
+    masters = list(opt.fp32_params.values()) if flat else list(opt.fp32_params)
+    ours, stock = [], []
+    for sync, out in ((ForeachFP16Optimizer._sync_fp16_grads_to_fp32, ours),
+                      (FP16Optimizer._sync_fp16_grads_to_fp32, stock)):
+        for m in masters:
+            m.grad.fill_(float("nan"))  # every entry must be written
+        opt._needs_sync = True
+        sync(opt)
+        out.append(torch.cat([m.grad.reshape(-1) for m in masters]))
+    for m in masters:
+        m.data.copy_(torch.randn(m.shape, generator=g))
+    for sync, out in ((ForeachFP16Optimizer._sync_fp32_params_to_fp16, ours),
+                      (FP16Optimizer._sync_fp32_params_to_fp16, stock)):
+        for p in params:
+            p.data.fill_(float("nan"))
+        sync(opt)
+        out.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    for got, want in zip(ours, stock):
+        assert not torch.isnan(want).any()
+        assert torch.equal(got, want)
+
+
+def test_the_trainer_builds_it_for_bf16_and_fairseqs_wrappers_stay_elsewhere(lm_data):
+    assert type(trainer(lm_data, "--bf16").optimizer) is ForeachFP16Optimizer
+    assert type(trainer(lm_data, "--memory-efficient-bf16").optimizer).__name__ == "MemoryEfficientFP16Optimizer"
+    assert FP16Optimizer is not ForeachFP16Optimizer and fairseq_optim_fp16() is FP16Optimizer  # scoped swap
+
+
+def fairseq_optim_fp16():
+    from fairseq import optim
+
+    return optim.FP16Optimizer
