@@ -63,6 +63,22 @@ def test_bf16_within_rounding():
         assert (got.double() - want).norm() / want.norm() < 1e-2
 
 
+def test_under_autocast_the_gemms_run_in_its_dtype_and_the_gradients_keep_the_inputs():
+    """``--amp``: fp32 features and weight, GEMMs in autocast's bf16 (as ``F.linear`` under autocast),
+    fp32 gradients within bf16 rounding of float64."""
+    hidden, weight, target = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, target, V, PAD, chunk=8)
+        unfused = F.cross_entropy(F.linear(hidden, weight[:V]).float(), target, ignore_index=PAD, reduction="sum")
+    loss.backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, unfused.detach(), rtol=1e-5, atol=0)  # the same bf16 logits
+    ref, grad_h, grad_w = reference(hidden, weight, target, V)
+    assert abs(loss.double() - ref) / ref < 1e-3
+    for got, want in ((hidden.grad, grad_h), (weight.grad, grad_w)):
+        assert (got.double() - want).norm() / want.norm() < 1e-2
+
+
 def test_without_grad_same_loss_and_no_gradient_work():
     hidden, weight, target = inputs()
     with_grad = linear_cross_entropy(hidden, weight, target, V, PAD, chunk=5)
@@ -145,6 +161,10 @@ def test_fairseq_train_losses_and_validation_equal(lm_data, tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--ts-loss-chunk-tokens", "0"], "--ts-loss-chunk-tokens 0 is not a positive number of tokens"),
     (["--ts-fused-cross-entropy", "--adaptive-softmax-cutoff", "20"], "--adaptive-softmax-cutoff replaces it"),
+    (["--ts-fused-cross-entropy", "--criterion", "label_smoothed_cross_entropy"],
+     "computes the loss in the criterions cross_entropy and moe_cross_entropy, not --criterion "
+     "label_smoothed_cross_entropy"),
+    (["--ts-fused-cross-entropy", "--find-unused-parameters"], "--find-unused-parameters and --ddp-backend"),
 ])
 def test_bad_flags_are_one_line_errors(lm_data, tmp_path, flags, message):
     proc = run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "1",

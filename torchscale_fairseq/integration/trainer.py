@@ -67,6 +67,7 @@ from torchscale_fairseq.checkpoints.layout import (
     split_suffix,
 )
 from torchscale_fairseq.compat.checkpoint_writes import checkpoint_write_error, remove_if_present
+from torchscale_fairseq.criterions import vocab_parallel
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
@@ -175,6 +176,24 @@ def _pending_factor(optimizer: Any) -> float | torch.Tensor:
     return factor.clone() if torch.is_tensor(factor) else factor
 
 
+def check_fused_loss_run(model: Any, criterion: Any, cfg: Any) -> None:
+    """``--ts-fused-cross-entropy`` runs where its loss is computed: with the criterions that call the
+    decoder's ``output_loss``, and where the output weight may be used after the wrapped forward
+    (not with DDP's ``--find-unused-parameters``, nor a sharded data-parallel wrapper)."""
+    if not getattr(getattr(model, "decoder", None), "fuses_output_loss", False):
+        return
+    if not isinstance(criterion, vocab_parallel.CrossEntropyCriterion):
+        raise TsConfigError(
+            f"--ts-fused-cross-entropy computes the loss in the criterions cross_entropy and moe_cross_entropy, not "
+            f"--criterion {cfg.criterion._name}: use one of those or drop the flag"
+        )
+    if cfg.distributed_training.find_unused_parameters or cfg.distributed_training.ddp_backend == "fully_sharded":
+        raise TsConfigError(
+            "--ts-fused-cross-entropy uses the output weight after the model's forward, which DDP's "
+            "--find-unused-parameters and --ddp-backend fully_sharded do not allow: drop one of the two"
+        )
+
+
 class TsTrainer(Trainer):
     """fairseq's ``Trainer`` with the changes listed in the module docstring."""
 
@@ -186,6 +205,7 @@ class TsTrainer(Trainer):
         check_zero_sharding(cfg, self.data_parallel_world_size)
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
+        check_fused_loss_run(model, criterion, cfg)
         if self.parallel.pipeline_size > 1:
             check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
@@ -286,7 +306,11 @@ class TsTrainer(Trainer):
             metrics.log_scalar("clip", clipped, priority=500, round=1)
         with metrics.aggregate() as agg:
             self.task.reduce_metrics(logging_outputs, self.get_criterion())
-            if "loss" not in agg:  # fairseq's placeholder for a criterion that logs no loss
+            if "loss" not in agg:  # fairseq's warning and placeholder for a criterion that logs no loss
+                if "loss" not in self._warn_once:
+                    self._warn_once.add("loss")
+                    logger.warning("Criterion.reduce_metrics did not log a 'loss' value, which may break some "
+                                   "functionality")
                 metrics.log_scalar("loss", -1)
         return LazyLoggingOutput(agg, sample_size)
 

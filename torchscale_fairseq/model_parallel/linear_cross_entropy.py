@@ -18,7 +18,9 @@ so only one chunk's ``chunk x V_p / n`` logits exist at a time (compiled: the la
 to ``chunk`` rows that count for nothing, one graph shape). Backward multiplies the kept
 ``dh`` and ``dW_r`` by the incoming scalar gradient. The per-chunk softmax and gradient are
 :func:`chunk_loss_and_grad`, plain PyTorch; with ``compiled`` (``--ts-compile``) they run
-through ``torch.compile`` (one fused kernel instead of about ten passes over the chunk).
+through ``torch.compile`` (one fused kernel instead of about ten passes over the chunk; at
+tensor-parallel size 1: the collectives stay eager). Under autocast (``--amp``) the GEMMs run in
+autocast's dtype; the weight's gradient stays fp32 until backward scales it (fp16 loss scales).
 Under tensor parallelism ``dh`` is this rank's part: the caller passes ``h`` through
 ``copy_to_tensor_parallel_region``, whose backward sums it over the ranks.
 """
@@ -55,7 +57,8 @@ def chunk_loss_and_grad(
     m = _all_reduce(z.amax(dim=1), dist.ReduceOp.MAX, group)
     shifted = z - m.unsqueeze(1)
     exp = shifted.exp()
-    picked = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1) * in_range
+    picked = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
+    picked = torch.where(in_range > 0, picked, torch.zeros_like(picked))  # not -inf * 0 on a padded column
     sums = _all_reduce(torch.stack([exp.sum(dim=1), picked]), dist.ReduceOp.SUM, group)
     sum_exp, target_shifted = sums[0], sums[1]
     loss = ((sum_exp.log() - target_shifted) * keep).sum()
@@ -75,49 +78,63 @@ def _compiled_chunk_loss_and_grad():
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss, with both gradients computed in forward; backward scales them (module docstring)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, target, vocab_size, ignore_index, chunk, group, compiled):
         loss, grad_hidden, grad_weight = _loss_and_grads(
             hidden, weight, target, vocab_size, ignore_index, chunk, group, compiled, with_grad=True)
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors  # the weight's in fp32 until scaled (fp16 loss scales)
+        return (grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype),
+                None, None, None, None, None, None)
 
 
-def _loss_and_grads(hidden, weight, target, vocab_size, ignore_index, chunk, group, compiled, with_grad):
+def _loss_and_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int | None,
+    chunk: int, group: dist.ProcessGroup | None, compiled: bool, with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The summed loss and, ``with_grad``, the gradients of ``hidden`` (its dtype) and of ``weight``
+    (fp32). Under autocast the GEMMs run in autocast's dtype, as ``F.linear`` would."""
     rows, local_v = hidden.size(0), weight.size(0)
     start = group_rank(group) * local_v
     valid_columns = min(max(vocab_size - start, 0), local_v)
-    step = _compiled_chunk_loss_and_grad() if compiled else chunk_loss_and_grad
+    # the compiled graph holds no collective: under tensor parallelism the chunks run eagerly
+    step = _compiled_chunk_loss_and_grad() if compiled and group_size(group) == 1 else chunk_loss_and_grad
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grad else None
     grad_weight = None
-    for i in range(0, rows, chunk):
-        h = hidden[i:i + chunk]
-        t = target[i:i + chunk]
-        local_t = t - start
-        in_range = ((local_t >= 0) & (local_t < local_v)).float()
-        keep = t.ne(ignore_index).float() if ignore_index is not None else torch.ones_like(in_range)
-        n = h.size(0)
-        if compiled and n < chunk:  # the compiled graph's one shape: rows that count for nothing
-            h, local_t, in_range, keep = (torch.nn.functional.pad(x, (0, 0, 0, chunk - n) if x.dim() == 2
-                                                                  else (0, chunk - n))
-                                          for x in (h, local_t, in_range, keep))
-        chunk_loss, grad = step(torch.mm(h, weight.t()), local_t.clamp(0, local_v - 1), in_range, keep,
-                                valid_columns, group, with_grad)
-        loss = loss + chunk_loss
-        if not with_grad:
-            continue
-        grad, h = grad[:n], h[:n]
-        torch.mm(grad, weight, out=grad_hidden[i:i + chunk])
-        part = torch.mm(grad.t(), h)
-        grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
-    if with_grad:
-        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else torch.zeros_like(weight)
+    with torch.autocast(device, enabled=False):
+        w = weight.to(dtype)
+        for i in range(0, rows, chunk):
+            h = hidden[i:i + chunk].to(dtype)
+            t = target[i:i + chunk]
+            local_t = t - start
+            in_range = ((local_t >= 0) & (local_t < local_v)).float()
+            keep = t.ne(ignore_index).float() if ignore_index is not None else torch.ones_like(in_range)
+            n = h.size(0)
+            if step is not chunk_loss_and_grad and n < chunk:  # the compiled graph's one shape
+                h, local_t, in_range, keep = (torch.nn.functional.pad(x, (0, 0, 0, chunk - n) if x.dim() == 2
+                                                                      else (0, chunk - n))
+                                              for x in (h, local_t, in_range, keep))
+            chunk_loss, grad = step(torch.mm(h, w.t()), local_t.clamp(0, local_v - 1), in_range, keep,
+                                    valid_columns, group, with_grad)
+            loss = loss + chunk_loss
+            if not with_grad:
+                continue
+            grad, h = grad[:n], h[:n]
+            grad_hidden[i:i + n].copy_(torch.mm(grad, w))
+            part = torch.mm(grad.t(), h)
+            grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+    if with_grad and grad_weight is None:
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
     return loss, grad_hidden, grad_weight
 
 

@@ -7,8 +7,8 @@ host time during which the device waits when the step is bound by its host (the 
 in ``benchmarks/RESULTS.md``). Here each direction is one ``torch._foreach_copy_``: over the
 per-parameter masters (``--bf16``, which fairseq never flattens, and ``--fp16-no-flatten-grads``),
 or over the flat master's per-parameter views (``--fp16``; ``split`` by the parameters' sizes, in
-fairseq's order). The same values, bit for bit; a master without its gradient yet (the first
-update) takes fairseq's path.
+fairseq's order). The same values, bit for bit; per-parameter masters take fairseq's path when a
+parameter or its master has no gradient (the first update, an expert no token reached).
 """
 
 from __future__ import annotations
