@@ -73,7 +73,7 @@ def chunk_loss_and_grad(
 def _compiled_chunk_loss_and_grad():
     """One static-shape graph: every chunk it sees is ``chunk x V_r`` (the last one padded), so its
     kernels are tuned for the real size (a dynamic graph reuses kernels tuned for the first size
-    seen, even from the inductor cache of another process: 7x slower at 16,384 x 50,264 on an H200)."""
+    seen, even from the inductor cache of another process; benchmarks/RESULTS.md, issue 43)."""
     return torch.compile(chunk_loss_and_grad, dynamic=False)
 
 
