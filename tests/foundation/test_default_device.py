@@ -1,4 +1,4 @@
-"""Model construction does not depend on the default device (``modules/device_init.py``).
+"""Model construction does not depend on the default device (``device_init.py``).
 
 Built under a ``meta`` default device (a non-CPU default device every machine has), every model
 builds, every parameter and buffer lands on ``meta``, the parameters have the CPU build's names,
@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tests.model_utils import build, dictionary
-from torchscale_fairseq.modules.device_init import build_on_cpu, move_to
+from torchscale_fairseq.device_init import build_on_cpu, move_to
 
 MOE = dict(moe_expert_count=4, moe_freq=1)
 # (kind, overrides): ts_lm with X-MoE at tensor-parallel size 1 first, then every other drawing module

@@ -2,7 +2,7 @@
 ``tests/model_parallel/layer_worker.py ... cuda`` builds), every model of
 ``tests/foundation/test_default_device.py`` (ts_lm with X-MoE at tensor-parallel size 1 first)
 holds bit for bit the parameters and buffers of its CPU build with the same seed, on the GPU, and
-consumes the CPU generator as the CPU build does (``modules/device_init.py``)."""
+consumes the CPU generator as the CPU build does (``device_init.py``)."""
 
 from __future__ import annotations
 

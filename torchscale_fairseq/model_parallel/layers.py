@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchscale_fairseq.device_init import on_default_device
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.mappings import (
@@ -29,7 +30,6 @@ from torchscale_fairseq.model_parallel.mappings import (
 )
 from torchscale_fairseq.model_parallel.partition import padded_vocab_size, shard_tensor
 from torchscale_fairseq.model_parallel.process_groups import group_rank, group_size
-from torchscale_fairseq.modules.device_init import on_default_device
 
 TensorParallelGroup = dist.ProcessGroup | None
 
@@ -112,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.stride = gather_output, stride
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: modules/device_init.py
+        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: device_init.py
         init_method(full)
         self.weight = _sharded_parameter(full, 0, stride, tp_group)
         self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride, tp_group) if bias else None
@@ -153,7 +153,7 @@ class RowParallelLinear(nn.Module):
         divide(in_features, group_size(tp_group), what)
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: modules/device_init.py
+        full = torch.empty(out_features, in_features, device="cpu")  # drawn on the CPU: device_init.py
         init_method(full)
         self.weight = _sharded_parameter(full, 1, 1, tp_group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None

@@ -10,11 +10,11 @@ from torch import nn
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.decoder import TransformerDecoder
 from torchscale_fairseq.architecture.embedding import build_token_embedding
+from torchscale_fairseq.device_init import build_on_cpu
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsLanguageModelConfig, check_positions, validate_common
-from torchscale_fairseq.modules.device_init import build_on_cpu
 from torchscale_fairseq.modules.moe.layer import check_generation
 
 

@@ -13,6 +13,7 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.architecture.pipeline_stage import tied_output_copy
+from torchscale_fairseq.device_init import build_on_cpu
 from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import parallel_logits
 from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parallel_region
@@ -20,7 +21,6 @@ from torchscale_fairseq.model_parallel.parallel_context import current_parallel_
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
-from torchscale_fairseq.modules.device_init import build_on_cpu
 
 
 class MaskedLMEncoder(FairseqEncoder):

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn as nn
 
-from torchscale_fairseq.modules.device_init import cpu_construction, on_default_device
+from torchscale_fairseq.device_init import cpu_construction, on_default_device
 
 
 def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn as nn
 
+from torchscale_fairseq.device_init import on_default_device
 from torchscale_fairseq.model_parallel.attributes import mark_sharded
 from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, divide
 from torchscale_fairseq.model_parallel.partition import shard_tensor
@@ -15,7 +16,6 @@ from torchscale_fairseq.model_parallel.process_groups import (
     group_rank,
     group_size,
 )
-from torchscale_fairseq.modules.device_init import on_default_device
 
 
 def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class RelativePositionBias(nn.Module):
         self.bidirectional, self.num_buckets, self.max_distance = bidirectional, num_buckets, max_distance
         n = group_size(tp_group)
         divide(num_heads, n, "number of attention heads")
-        full = torch.empty(num_buckets, num_heads, device="cpu")  # drawn on the CPU: modules/device_init.py
+        full = torch.empty(num_buckets, num_heads, device="cpu")  # drawn on the CPU: device_init.py
         nn.init.normal_(full)
         self.weight = mark_sharded(nn.Parameter(on_default_device(shard_tensor(full, 1, 1, group_rank(tp_group), n))), 1)
 

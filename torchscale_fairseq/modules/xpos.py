@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torchscale_fairseq.modules.device_init import on_default_device
+from torchscale_fairseq.device_init import on_default_device
 
 
 def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:

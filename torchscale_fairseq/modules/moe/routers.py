@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchscale_fairseq.modules.device_init import cpu_construction
+from torchscale_fairseq.device_init import cpu_construction
 
 
 class XMoERouter(nn.Module):
