@@ -6,7 +6,7 @@ bash "$ROOT/scripts/install.sh"
 cd "$ROOT"
 # Where PYTHONDONTWRITEBYTECODE is set (as on the project's machines), every process the suite
 # starts would compile the plugin's sources again (~0.45 s each): compile them once here.
-"$ROOT/.venv/bin/python" -m compileall -q -j 0 torchscale_fairseq tests data_prep scripts benchmarks >/dev/null
+"$ROOT/.venv/bin/python" -m compileall -q -j 0 torchscale_fairseq tests data_prep scripts benchmarks experiments >/dev/null
 # Without arguments: the whole suite on two pytest-xdist workers, one test file per worker at a time
 # (`--dist loadfile`: a file's module fixtures are built once). Nearly every process the suite starts
 # runs one thread (tests/cli_utils.py), so one pytest process leaves the second core idle between

@@ -1,4 +1,4 @@
-"""docs/results/aggregate.py: seeds grouped by configuration, mean ± sample std (min-max) per column."""
+"""experiments/aggregate.py: seeds grouped by configuration, mean ± sample std (min-max) per column."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "docs" / "results"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "experiments"))
 import aggregate  # noqa: E402
 
 

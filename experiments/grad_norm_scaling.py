@@ -2,7 +2,7 @@
 norm, ``r = ||g_s|| / ||g_d||`` (fairseq's ``gnorm_expert`` / ``gnorm_dense``, logged every update),
 over runs named ``<prefix>_E<experts>_s<seed>`` that differ only in the expert count.
 
-    python docs/results/grad_norm_scaling.py /tmp/results-work/runs/clipscale_E*_s* [--plot out.png]
+    python experiments/grad_norm_scaling.py /tmp/results-work/runs/clipscale_E*_s* [--plot out.png]
 
 Per expert count: ``r`` averaged over updates 1-10 (early) and over the last 10 logged updates (late),
 mean ± std (min-max) over seeds, and the share of the experts in SparseClip's squared norm,

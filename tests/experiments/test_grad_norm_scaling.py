@@ -1,4 +1,4 @@
-"""docs/results/grad_norm_scaling.py: the expert / dense gradient-norm ratio per expert count from
+"""experiments/grad_norm_scaling.py: the expert / dense gradient-norm ratio per expert count from
 fairseq's logged ``gnorm_expert`` / ``gnorm_dense``, and its power-law fit, on logs built from a
 known law."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "docs" / "results"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "experiments"))
 import grad_norm_scaling  # noqa: E402
 
 

@@ -2,9 +2,9 @@
 item 1, the DeepNet / Magneto stability claim), over runs named
 ``<prefix>_<backbone>_L<layers>_lr<lr>_s<seed>``.
 
-    python docs/results/stability.py /tmp/results-work/runs/stab_*_s[0-9]* --unigram 687 [--plot out.png]
-    python docs/results/stability.py [RUN_DIR...] --records runs.jsonl --unigram 687   # the runs recorded there too
-    python docs/results/stability.py RUN_DIR --unigram 687 --outcome     # one run: trains|stalled|diverged
+    python experiments/stability.py /tmp/results-work/runs/stab_*_s[0-9]* --unigram 687 [--plot out.png]
+    python experiments/stability.py [RUN_DIR...] --records runs.jsonl --unigram 687   # the runs recorded there too
+    python experiments/stability.py RUN_DIR --unigram 687 --outcome     # one run: trains|stalled|diverged
 
 Criteria, fixed before any run: a run **diverged** when it stopped on non-finite values or ended
 with a training loss more than 1 bit above its minimum (``summarize.py``); it **stalled** when its

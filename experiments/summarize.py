@@ -1,6 +1,6 @@
-"""Markdown table rows of the numbers in docs/results.md, from the runs of docs/results/run.sh.
+"""Markdown table rows of the numbers in docs/results.md, from the runs of experiments/run.sh.
 
-    python docs/results/summarize.py /tmp/results-work/runs/depth_*
+    python experiments/summarize.py /tmp/results-work/runs/depth_*
 
 Per run directory (its ``train.log``, ``NAME.out`` beside it, ``bleu_test.txt`` if evaluated):
 updates reached, first / minimum / final training loss (base 2), best and final validation

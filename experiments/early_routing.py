@@ -1,8 +1,8 @@
 """Why the X-MoE gate loss rises in the first updates: the router, or the tokens it routes?
 
-    python docs/results/routing/early_routing.py /tmp/results-work/runs
+    python experiments/early_routing.py /tmp/results-work/runs
 
-Reads the checkpoints of ``bash docs/results/run.sh routing_early`` (config ``xmoe`` seed 1 at
+Reads the checkpoints of ``bash experiments/run.sh routing_early`` (config ``xmoe`` seed 1 at
 updates 1, 4, 8, 12, 16, 20; update 1 is the initial model: fairseq's polynomial schedule gives the
 first update lr 0) and ``routing_xmoe_s1`` (update 200). On the first 16 validation blocks (2,048
 tokens, eval mode) it captures every MoE layer's input and prints, per checkpoint: the balance loss

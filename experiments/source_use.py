@@ -1,6 +1,6 @@
 """Does a translation model read its source? (docs/results.md section 12, issue 25 item 2)
 
-    python docs/results/source_use.py RUN_DIR_OR_CHECKPOINT... --data DATA [--subset valid] [--max-verses N]
+    python experiments/source_use.py RUN_DIR_OR_CHECKPOINT... --data DATA [--subset valid] [--max-verses N]
         [--shuffle-seed 0] [--init] [--plot spread.png]
 
 Per checkpoint (a run directory stands for its ``checkpoint_last.pt``), on the first ``--max-verses`` pairs of

@@ -1,7 +1,7 @@
-"""Mean and spread over seeds of the runs of docs/results/run.sh, as a markdown table and plots.
+"""Mean and spread over seeds of the runs of experiments/run.sh, as a markdown table and plots.
 
-    python docs/results/aggregate.py /tmp/results-work/runs/depth_*_s[0-9]*
-    python docs/results/aggregate.py RUN_DIR... --plot docs/results/depth/valid_ppl.png --metric valid_ppl
+    python experiments/aggregate.py /tmp/results-work/runs/depth_*_s[0-9]*
+    python experiments/aggregate.py RUN_DIR... --plot docs/results/depth/valid_ppl.png --metric valid_ppl
 
 Run directories named ``<config>_s<seed>`` are grouped by ``<config>`` (a name without a seed
 suffix is its own group). Per group: number of seeds, mean ± sample standard deviation

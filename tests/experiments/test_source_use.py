@@ -1,4 +1,4 @@
-"""docs/results/source_use.py: its perplexities are stock fairseq-validate's on the real pairs and on a
+"""experiments/source_use.py: its perplexities are stock fairseq-validate's on the real pairs and on a
 copy of the split binarised with the sources permuted; its encoder spread is the std computed verse by
 verse without padding; its spread at initialisation is that of fairseq-train's initial model."""
 
@@ -14,8 +14,8 @@ from fairseq import checkpoint_utils
 
 from tests.cli_utils import MT_TRAIN, USER_DIR, json_logs, run, tool
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "docs" / "results"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "experiments"))
 import source_use  # noqa: E402
 
 TINY = ["--arch", "ts_transformer_tiny", "--encoder-layers", "2", "--decoder-layers", "2", "--disable-validation",

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash docs/results/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash experiments/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RESULTS="$ROOT/docs/results"  # the tables and plots that docs/results.md cites
 cd "$ROOT"
 WORK="${WORK:-/tmp/results-work}"
 export PATH="$ROOT/.venv/bin:$PATH" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SCALE=tiny
@@ -52,16 +53,16 @@ depth() {
   depth_plots
 }
 depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/results.md section 1
-  local out="$ROOT/docs/results/depth" metric layers backbone
+  local out="$RESULTS/depth" metric layers backbone
   mkdir -p "$out"
-  python docs/results/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]*/ | tee "$out/table.md"
+  python experiments/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]*/ | tee "$out/table.md"
   for metric in valid_ppl train_loss gnorm; do
     for layers in 2 6 18 50; do  # the three backbones at one depth
-      python docs/results/aggregate.py "$RUNS"/depth_*_L"$layers"_s[0-9]*/ --plot "$out/${metric}_L$layers.png" \
+      python experiments/aggregate.py "$RUNS"/depth_*_L"$layers"_s[0-9]*/ --plot "$out/${metric}_L$layers.png" \
         --metric "$metric" --title "$metric, $layers layers, 3 seeds (mean, min-max band)" >/dev/null
     done
     for backbone in postln deepnorm magneto; do  # one backbone at every depth
-      python docs/results/aggregate.py "$RUNS"/depth_"$backbone"_L{2,6,18,50}_s[0-9]*/ --plot "$out/${metric}_$backbone.png" \
+      python experiments/aggregate.py "$RUNS"/depth_"$backbone"_L{2,6,18,50}_s[0-9]*/ --plot "$out/${metric}_$backbone.png" \
         --metric "$metric" --title "$metric, $backbone, 3 seeds (mean, min-max band)" >/dev/null
     done
   done
@@ -71,12 +72,12 @@ depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/r
 # warm-up, the depth stage's model and data otherwise (d=64, FFN 128, 2 heads, SentencePiece-4000,
 # 8 x 64 tokens per update, no clipping, no dropout): 1000 updates (0.76 epoch), 100 warm-up (10%),
 # polynomial decay to 0, validation every 250 updates on the first 30 validation batches.
-# Criteria, fixed before the runs (docs/results/stability.py): diverged = non-finite, or a final
+# Criteria, fixed before the runs (experiments/stability.py): diverged = non-finite, or a final
 # training loss > 1 bit above its minimum; stalled = final validation ppl not 10% below the unigram
 # model's on those tokens (687, section 1); trains = neither. lr_max = the largest grid lr that trains.
 # The default is the slice a 45-minute stage holds (24 runs: 6 and 18 layers at lr 2e-3, chosen on a
 # one-seed validation pilot); the map is the same stage over the x2 grid and more depths, e.g.
-#   STAB_LRS="5e-4 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2" STAB_DEPTHS="50 18 6" bash docs/results/run.sh stability
+#   STAB_LRS="5e-4 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2" STAB_DEPTHS="50 18 6" bash experiments/run.sh stability
 STAB_LRS="${STAB_LRS:-2e-3}"
 STAB_DEPTHS="${STAB_DEPTHS:-18 6}"
 STAB_UNIGRAM_PPL=687
@@ -108,7 +109,7 @@ stab_outcome() {  # BACKBONE LAYERS LR SEED: train the cell if it has no finishe
   local name="stab_${1}_L${2}_lr${3}_s${4}"
   grep -qs "done training\|FloatingPointError\|Nan/Inf\|nan or inf\|non-finite" "$RUNS/$name/train.log" ||
     run "$name" lm/train_dense.sh BACKBONE="$1" LAYERS="$2" LR="$3" SEED="$4" "${STAB_ARGS[@]}" >&2
-  python docs/results/stability.py "$RUNS/$name" --unigram "$STAB_UNIGRAM_PPL" --outcome
+  python experiments/stability.py "$RUNS/$name" --unigram "$STAB_UNIGRAM_PPL" --outcome
 }
 stability_search_cell() {  # BACKBONE LAYERS SEED
   local i="$STAB_START" first
@@ -127,7 +128,7 @@ stability_search_cell() {  # BACKBONE LAYERS SEED
   echo "search $1 L$2 s$3 done $(date -u +%H:%M:%S)"
 }
 # STAB_SEEDS and STAB_BACKBONES narrow the search to what a stage holds, e.g. 50 layers, seed 1:
-#   STAB_DEPTHS=50 STAB_SEEDS=1 STAB_BACKBONES="postln deepnorm" bash docs/results/run.sh stability_search
+#   STAB_DEPTHS=50 STAB_SEEDS=1 STAB_BACKBONES="postln deepnorm" bash experiments/run.sh stability_search
 STAB_SEEDS="${STAB_SEEDS:-${SEEDS[*]}}"
 STAB_BACKBONES="${STAB_BACKBONES:-postln deepnorm magneto preln}"
 stability_search() {
@@ -144,16 +145,16 @@ stability_search() {
 # docs/results/stability/runs.jsonl (the stab_* runs in $RUNS are added to it first, so runs made on
 # several machines add up), then the validation curves per depth and lr of the runs in $RUNS.
 stability_report() {
-  local out="$ROOT/docs/results/stability" layers lr runs
+  local out="$RESULTS/stability" layers lr runs
   mkdir -p "$out"
   mapfile -t runs < <(compgen -G "$RUNS/stab_*_s[0-9]*/")
-  python docs/results/stability.py "${runs[@]}" --records "$out/runs.jsonl" --unigram "$STAB_UNIGRAM_PPL" \
+  python experiments/stability.py "${runs[@]}" --records "$out/runs.jsonl" --unigram "$STAB_UNIGRAM_PPL" \
     --plot "$out/lr_max.png" > "$out/table.md.new" || { rm -f "$out/table.md.new"; return 1; }
   mv "$out/table.md.new" "$out/table.md" && cat "$out/table.md"
   for layers in $STAB_DEPTHS; do
     for lr in $STAB_LRS; do  # (a search runs only part of the grid)
       compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
-      python docs/results/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
+      python experiments/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
         --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band)" >/dev/null
     done
   done
@@ -179,11 +180,11 @@ deeper() {
   deeper_plots
 }
 deeper_plots() {  # the 3-seed table and the validation / training curves of docs/results.md section 9
-  local out="$ROOT/docs/results/deeper" metric
+  local out="$RESULTS/deeper" metric
   mkdir -p "$out"
-  python docs/results/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ | tee "$out/table.md"
+  python experiments/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ | tee "$out/table.md"
   for metric in valid_ppl train_loss; do
-    python docs/results/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ --plot "$out/$metric.png" \
+    python experiments/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ --plot "$out/$metric.png" \
       --metric "$metric" --title "Magneto d=128, 6 vs 18 layers, $metric (3 seeds)" >/dev/null
   done
 }
@@ -257,16 +258,16 @@ clipedge() {
   clipedge_plots
 }
 clipedge_plots() {
-  mkdir -p "$ROOT/docs/results/clipedge"
+  mkdir -p "$RESULTS/clipedge"
   AGG_METRICS="valid_ppl train_loss clipping gnorm gnorm_dense gnorm_expert" \
-    agg_plots "$ROOT/docs/results/clipedge" "$RUNS"/clipedge_{sparse,vanilla,noclip}_s*/ | tee "$ROOT/docs/results/clipedge/table.md"
+    agg_plots "$RESULTS/clipedge" "$RUNS"/clipedge_{sparse,vanilla,noclip}_s*/ | tee "$RESULTS/clipedge/table.md"
 }
 
 # SparseClip's premise against E (issue 25 item 3): the expert / dense gradient-norm ratio for E = 8 ..
 # 256 experts in every layer, the clip stage's model otherwise (4-layer Magneto d=64, top-2, capacity 2,
 # lr 3e-3, 20 warm-up) with experts 256 wide so that E = 256 fits (34.4M expert parameters), 100 updates
 # of 8 x 128 tokens logged every update, NO clipping (the natural norms), no validation; the ratio
-# and its power-law fit by docs/results/grad_norm_scaling.py.
+# and its power-law fit by experiments/grad_norm_scaling.py.
 CLIPSCALE_ARGS=(DATA="$SPM_LM_DATA" BACKBONE=magneto LAYERS=4 EMBED_DIM=64 FFN_DIM=256 HEADS=2
   TOKENS_PER_SAMPLE=128 TOTAL_BATCH=8 BATCH_SIZE=8 LR=3e-3 WARMUP=20 MAX_UPDATE=100 LOG_INTERVAL=1
   MOE_FREQ=1 TOP_K=2 CLIP=sparse CLIP_NORM=0 EXTRA_ARGS="--moe-capacity-factor 2 --disable-validation")
@@ -279,9 +280,9 @@ clipscale() {
   clipscale_plots
 }
 clipscale_plots() {
-  mkdir -p "$ROOT/docs/results/clip"
-  python docs/results/grad_norm_scaling.py "$RUNS"/clipscale_E*_s[0-9]*/ --plot "$ROOT/docs/results/clip/norm_ratio_vs_experts.png" \
-    | tee "$ROOT/docs/results/clip/norm_ratio_vs_experts.md"
+  mkdir -p "$RESULTS/clip"
+  python experiments/grad_norm_scaling.py "$RUNS"/clipscale_E*_s[0-9]*/ --plot "$RESULTS/clip/norm_ratio_vs_experts.png" \
+    | tee "$RESULTS/clip/norm_ratio_vs_experts.md"
 }
 
 # Dense vs X-MoE NMT at the same FLOPs per token (paper 2.2, Fig. 2): top-1 routing sends each token
@@ -342,7 +343,7 @@ nmtdeep() {
 # The same runs at the longest budget a 45-minute stage holds for one backbone's three seeds (two rounds of
 # ~20 min on two idle cores): 1,500 updates (2.7 epochs), validation every 300 updates (600 is the short
 # runs' end: the same seed's first 600 updates are the same run). One stage per backbone:
-#   bash docs/results/run.sh nmtlong postln|deepnorm|magneto
+#   bash experiments/run.sh nmtlong postln|deepnorm|magneto
 nmtlong() {  # BACKBONE
   local s NMTDEEP_UPDATES=1500 NMTDEEP_VALID_EVERY=300
   case "${1:-}" in
@@ -353,19 +354,19 @@ nmtlong() {  # BACKBONE
   wait
   nmtdeep_plots
 }
-# Do the translation models read their source? (section 12's diagnostic, docs/results/source_use.py.) Every
+# Do the translation models read their source? (section 12's diagnostic, experiments/source_use.py.) Every
 # nmtdeep run (18-18 at 600 and 1,500 updates, 6-6 Post-LN): validation ppl with the real and with the
 # shuffled sources (random.Random(0)), and the encoder output's spread over tokens, trained and at init.
 source_use() {
-  python docs/results/source_use.py "$RUNS"/nmtdeep_*_lr"${NMTDEEP_LR}"_u{600,1500}_s[0-9]*/ --data "$NMT_DATA" \
-    --init | tee "$ROOT/docs/results/nmtdeep/source_use.md"
+  python experiments/source_use.py "$RUNS"/nmtdeep_*_lr"${NMTDEEP_LR}"_u{600,1500}_s[0-9]*/ --data "$NMT_DATA" \
+    --init | tee "$RESULTS/nmtdeep/source_use.md"
 }
 # When does the encoder collapse? Seed 1 of each backbone again (the nmtdeep runs' first updates: the schedule
 # does not depend on the budget), no validation (it does not change the training): 600 updates with a
 # checkpoint every 50, and 50 updates with one every 5; the spread (also at init) and the shuffled-source
 # ppl of each checkpoint on the first 300 validation verses, and the spread against the update.
 source_use_timing() {
-  local b budget name out="$ROOT/docs/results/nmtdeep"
+  local b budget name out="$RESULTS/nmtdeep"
   for b in deepnorm postln magneto; do
     for budget in 600:50 50:5; do
       name="nmtcollapse_${b}_L${NMTDEEP_LAYERS}_lr${NMTDEEP_LR}_u${budget%:*}_s1"
@@ -376,11 +377,11 @@ source_use_timing() {
     done
   done
   wait
-  python docs/results/source_use.py "$RUNS"/nmtcollapse_*_s1/checkpoint_[0-9]*_[0-9]*.pt --data "$NMT_DATA" \
+  python experiments/source_use.py "$RUNS"/nmtcollapse_*_s1/checkpoint_[0-9]*_[0-9]*.pt --data "$NMT_DATA" \
     --max-verses 300 --init --plot "$out/encoder_spread.png" | tee "$out/source_use_timing.md"
 }
 nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 at NMTDEEP_UPDATES (agg_plots)
-  local out="$ROOT/docs/results/nmtdeep/u$NMTDEEP_UPDATES"
+  local out="$RESULTS/nmtdeep/u$NMTDEEP_UPDATES"
   mkdir -p "$out"
   AGG_METRICS="valid_ppl train_loss gnorm" agg_plots "$out" \
     "$RUNS"/nmtdeep_*_L"${NMTDEEP_LAYERS}"_lr"${NMTDEEP_LR}"_u"$NMTDEEP_UPDATES"_s[0-9]*/ | tee "$out/table.md"
@@ -417,14 +418,14 @@ routing_run() {  # CONFIG (xmoe|zloss|auxfree|fine) SEED
   esac
 }
 # The first 20 updates of routing_xmoe_s1 again (same trajectory), logged every update and checkpointed
-# every 4, and which of router and tokens moves the routing (docs/results/routing/early_routing.py;
+# every 4, and which of router and tokens moves the routing (experiments/early_routing.py;
 # reads routing_xmoe_s1 too: run after `routing`).
 routing_early() {
   local args=("${ROUTING_ARGS[@]}" SEED=1 EXPERTS=8 TOP_K=2 LOG_INTERVAL=1)
   local extra="--moe-second-expert-policy all --moe-expert-ffn-dim 256 --disable-validation --no-save-optimizer-state"
   run routing_early_u1 lm/train_moe.sh "${args[@]}" EXTRA_ARGS="$extra --max-update 1"
   run routing_early_u20 lm/train_moe.sh "${args[@]}" EXTRA_ARGS="$extra --max-update 20 --save-interval-updates 4"
-  python docs/results/routing/early_routing.py "$RUNS" | tee "$ROOT/docs/results/routing/early_routing.txt"
+  python experiments/early_routing.py "$RUNS" | tee "$RESULTS/routing/early_routing.txt"
 }
 routing() {
   local c s
@@ -433,35 +434,35 @@ routing() {
   routing_plots
 }
 
-# Mean curves with a min-max band over the seeds (docs/results/aggregate.py), and the tables of
+# Mean curves with a min-max band over the seeds (experiments/aggregate.py), and the tables of
 # docs/results.md sections 2-3.
 agg_plots() {  # OUT_DIR RUN_DIR... : one PNG per metric of $AGG_METRICS
   local out="$1" m
   shift
-  python docs/results/aggregate.py "$@"
-  for m in $AGG_METRICS; do python docs/results/aggregate.py "$@" --plot "$out/$m.png" --metric "$m" >/dev/null; done
+  python experiments/aggregate.py "$@"
+  for m in $AGG_METRICS; do python experiments/aggregate.py "$@" --plot "$out/$m.png" --metric "$m" >/dev/null; done
 }
 width_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping" \
-    agg_plots "$ROOT/docs/results/width" "$RUNS"/width_{dense,moe8,moe32}_s*/
+    agg_plots "$RESULTS/width" "$RUNS"/width_{dense,moe8,moe32}_s*/
 }
 routing_plots() {  # table.md with the MoE columns (load CV, dropped fraction) and the curves
-  local out="$ROOT/docs/results/routing" m
+  local out="$RESULTS/routing" m
   mkdir -p "$out"
-  python docs/results/aggregate.py --moe "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ | tee "$out/table.md"
+  python experiments/aggregate.py --moe "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ | tee "$out/table.md"
   for m in valid_ppl moe_gate_loss moe_cv routing_entropy; do
-    python docs/results/aggregate.py "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ --plot "$out/$m.png" \
+    python experiments/aggregate.py "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ --plot "$out/$m.png" \
       --metric "$m" --title "routing options, $m, 3 seeds (mean, min-max band)" >/dev/null
   done
 }
 clip_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping gnorm gnorm_dense gnorm_expert" \
-    agg_plots "$ROOT/docs/results/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
+    agg_plots "$RESULTS/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
 }
 
 # The PNGs of docs/results.md (ts-plot-logs, one directory per experiment).
 plots() {
-  local out="$ROOT/docs/results"
+  local out="$RESULTS"
   depth_plots
   stability_report
   deeper_plots
@@ -474,7 +475,7 @@ plots() {
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
-    python docs/results/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]*/ --metric "$metric" \
+    python experiments/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]*/ --metric "$metric" \
       --plot "$out/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null
   done
 }

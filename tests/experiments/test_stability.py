@@ -1,4 +1,4 @@
-"""docs/results/stability.py: the stated criteria (diverged: final training loss > 1 bit above its
+"""experiments/stability.py: the stated criteria (diverged: final training loss > 1 bit above its
 minimum; stalled: final validation ppl not 10% below the unigram model's) and lr_max per seed, on
 run logs built to fall on each side of them."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "docs" / "results"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "experiments"))
 import stability  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def test_a_run_name_off_the_pattern_is_one_line(tmp_path: Path) -> None:
 
 
 def test_outcome_mode_prints_one_word_per_run(tmp_path: Path, capsys) -> None:
-    """What docs/results/run.sh's stability_search reads to walk the learning-rate grid."""
+    """What experiments/run.sh's stability_search reads to walk the learning-rate grid."""
     runs = [_run(tmp_path, "st_preln_L6_lr1e-3_s1", 600.0, [11.0, 9.0]),   # under 618.3: trains
             _run(tmp_path, "st_preln_L6_lr2e-3_s1", 640.0, [11.0, 9.0]),   # over: stalled
             _run(tmp_path, "st_preln_L6_lr4e-3_s1", 300.0, [11.0, 8.0, 9.5])]
