@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # the benchmarks share tests/ helpers (tests.rendezvous)
+if str(REPO) not in sys.path:  # the plugin and data_prep, imported from this checkout
     sys.path.insert(0, str(REPO))
 USER_DIR = REPO / "torchscale_fairseq"
 BIN = Path(sys.executable).parent
@@ -93,6 +94,18 @@ def load_average() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "?"
+
+
+def rendezvous_url(directory: Path | str) -> str:
+    """A ``file://`` init method in ``directory`` that no other launch uses: where the ranks of a
+    multi-process run meet (the tests' too). ``free port`` helpers (bind to 0, close, pass the
+    number on) race: another launch may take the port before rank 0 binds it. A file in the run's
+    own directory cannot collide; torch's ``FileStore`` creates it, and each launch (a restart
+    included) gets a new name, since a killed run leaves its file behind. Gloo then connects the
+    ranks on ports the OS assigns."""
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    return (directory / f"rendezvous-{uuid.uuid4().hex}").as_uri()
 
 
 # ---------------------------------------------------------------- synthetic text

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.rendezvous import rendezvous_url  # noqa: E402
+from benchmarks._common import rendezvous_url  # noqa: E402
 from torchscale_fairseq.model_parallel.attributes import is_expert  # noqa: E402
 from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context  # noqa: E402
 from torchscale_fairseq.modules.feedforward import FFNSpec

@@ -144,7 +144,7 @@ def configurations(t: int) -> list[tuple[str, str, bool]]:
 
 
 def measure(t: int, seq: int, batch: int, dtype: str) -> list[dict]:
-    from tests.rendezvous import rendezvous_url
+    from benchmarks._common import rendezvous_url
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"

@@ -19,9 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import load_average, now  # noqa: E402
-from tests.cli_utils import USER_DIR, make_lm_data  # noqa: E402
-from tests.moe.dist_harness import sample_of  # noqa: E402
+from benchmarks._common import USER_DIR, lm_sample, load_average, now, preprocess_lm, write_lm_corpus  # noqa: E402
 
 
 def build(data: Path, optimizer: list[str], dim: int, experts: int):
@@ -29,7 +27,7 @@ def build(data: Path, optimizer: list[str], dim: int, experts: int):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    argv = [str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+    argv = [str(data), "--user-dir", str(USER_DIR), "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
             "--decoder-layers", "4", "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim", str(4 * dim),
             "--decoder-attention-heads", "4", "--tokens-per-sample", "128", "--moe-expert-count", str(experts),
             "--moe-freq", "2", "--criterion", "moe_cross_entropy", "--clip-norm", "1.0", "--lr", "1e-4",
@@ -62,15 +60,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_lm_data(Path(tmp))
+        data = preprocess_lm(write_lm_corpus(Path(tmp) / "text", vocab=60, tokens=6000), Path(tmp) / "lm-bin")
         runs = {
             "vanilla": build(data, ["--optimizer", "adam"], args.dim, args.experts),
             "sparse_clip": build(data, ["--optimizer", "sparse_clip", "--sparse-clip-base", "adam"],
                                  args.dim, args.experts),
         }
-        d = runs["vanilla"][1].target_dictionary
-        tokens = torch.randint(d.pad() + 1, len(d), (args.batch, 129), generator=torch.Generator().manual_seed(0))
-        sample = sample_of(tokens)
+        sample = lm_sample(runs["vanilla"][1].target_dictionary, args.batch, 128, torch.Generator().manual_seed(0))
         step_times: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(args.steps + 2):
             order = list(runs) if i % 2 == 0 else list(reversed(runs))

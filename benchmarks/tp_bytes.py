@@ -26,7 +26,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from tests.model_parallel.collectives import record_collectives
+    from benchmarks.collective_recorder import record_collectives
     from torchscale_fairseq.architecture.config import StackConfig
     from torchscale_fairseq.architecture.layer import TransformerLayer
     from torchscale_fairseq.model_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -96,7 +96,7 @@ def main() -> None:
     if args.rank is not None:
         worker(args)
         return
-    from tests.rendezvous import rendezvous_url
+    from benchmarks._common import rendezvous_url
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"

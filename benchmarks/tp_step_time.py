@@ -19,9 +19,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import USER_DIR, load_average, median, now, preprocess_lm, tool, train_inner_logs, write_lm_corpus
-
-from tests.rendezvous import rendezvous_url
+from _common import (
+    USER_DIR,
+    load_average,
+    median,
+    now,
+    preprocess_lm,
+    rendezvous_url,
+    tool,
+    train_inner_logs,
+    write_lm_corpus,
+)
 
 MODEL = ["--arch", "ts_lm", "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-attention-heads", "8",
          "--decoder-ffn-embed-dim", "1024", "--backbone", "magneto"]

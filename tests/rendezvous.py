@@ -1,24 +1,14 @@
-"""Where the ranks of a multi-process test meet: a file, never a guessed port.
-
-``free port`` helpers (bind to 0, close, pass the number on) race: another launch may take the
-port before rank 0 binds it. A ``file://`` init method in the test's own directory cannot
-collide; torch's ``FileStore`` creates it, and each launch (a restart included) gets a new name,
-since a killed run leaves its file behind. Gloo then connects the ranks on ports the OS assigns.
-torchrun launches use ``--standalone`` (its agent binds port 0 and hands the workers its store).
+"""Where the ranks of a multi-process test meet: a file, never a guessed port
+(:func:`rendezvous_url`, shared with the benchmarks, which import nothing from ``tests/``);
+how they start and how they part. torchrun launches use ``--standalone`` (its agent binds
+port 0 and hands the workers its store).
 """
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
 from typing import Callable
 
-
-def rendezvous_url(directory: Path | str) -> str:
-    """A ``file://`` init method in ``directory`` that no other launch uses."""
-    directory = Path(directory).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    return (directory / f"rendezvous-{uuid.uuid4().hex}").as_uri()
+from benchmarks._common import rendezvous_url  # noqa: F401  (the tests import it from here)
 
 
 def start_ranks(worker: Callable[..., None], args: tuple, nprocs: int, device: str = "cpu") -> None:

@@ -21,7 +21,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.model_parallel.collectives import record_collectives
+from benchmarks.collective_recorder import record_collectives
 from tests.rendezvous import leave_process_group
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.layer import TransformerLayer

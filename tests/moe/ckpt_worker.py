@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from fairseq.criterions import CRITERION_REGISTRY
 
+from benchmarks.collective_recorder import record_collectives
 from tests import model_utils
-from tests.model_parallel.collectives import record_collectives
 from tests.rendezvous import leave_process_group
 from torchscale_fairseq.criterions.moe_terms import OutputRecorder
 from torchscale_fairseq.model_parallel.parallel_context import (

@@ -1,5 +1,5 @@
-"""A test-only recorder of collectives: wraps ``torch.distributed.all_reduce``,
-``all_gather``, ``all_to_all_single`` and the sequence-parallel ``all_gather_single`` /
+"""A recorder of collectives, for ``tp_bytes.py`` and the tests that count collectives: wraps
+``torch.distributed.all_reduce``, ``all_gather``, ``all_to_all_single`` and the sequence-parallel ``all_gather_single`` /
 ``reduce_scatter_single`` (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch <= 2.12,
 recorded under the new names) while active and records ``(collective, direction, numel)`` for
 each call, ``direction`` being ``backward`` inside an autograd backward pass (which
