@@ -9,13 +9,13 @@ own next unseen batch. So every rank keeps a *snapshot* of all ranks' stream pos
 the number of batches it has handed out since (``behind``); the same on every rank, since all
 ranks hand out batches in step. :meth:`StreamEpochBatchIterator.sync_positions` refreshes the
 snapshot to the current positions with one ``all_gather_object`` over the data-parallel
-group: ``fairseq-train`` calls it on every rank before each checkpoint save
-(:mod:`torchscale_fairseq.integration.stream_positions`), the iterator itself at each epoch's
-last batch, and a single-process iterator in ``state_dict`` (no communication). A checkpoint
-holds the snapshot and ``behind``; on resume each rank restores its position from the
-snapshot and reads ``behind`` batches again, discarding them. Under ``fairseq-train``
-``behind`` is 0: the restart reads no batch again. A state taken on rank 0 alone without the
-collective (library use) reads up to an epoch again.
+group: ``fairseq-train`` calls it on every rank before each checkpoint save (fairseq's
+``save_checkpoint`` calls ``TsTrainer.consolidate_optimizer`` on every rank), the iterator
+itself at each epoch's last batch, and a single-process iterator in ``state_dict`` (no
+communication). A checkpoint holds the snapshot and ``behind``; on resume each rank restores
+its position from the snapshot and reads ``behind`` batches again, discarding them. Under
+``fairseq-train`` ``behind`` is 0: the restart reads no batch again. A state taken on rank 0
+alone without the collective (library use) reads up to an epoch again.
 
 A mid-epoch checkpoint resumes only at the ``--batches-per-epoch`` it was saved with (a
 one-line error otherwise); an epoch-end checkpoint resumes at any, the stream going on where

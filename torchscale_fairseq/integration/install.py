@@ -20,7 +20,6 @@ from torchscale_fairseq.integration import (
     checkpoint_loading,
     clip_grad_norm,
     eval_tools,
-    stream_positions,
     tensor_parallel_init,
 )
 from torchscale_fairseq.integration.trainer import TsTrainer
@@ -49,8 +48,6 @@ REPLACED: list[tuple[str, str, str]] = [
      "one-line refusal of unreadable checkpoints and of parts saved at another tensor-parallel size"),
     ("fairseq.checkpoint_utils", "get_maybe_sharded_checkpoint_filename",
      "one-line refusal of checkpoint part names that do not match --model-parallel-size"),
-    ("fairseq.checkpoint_utils", "save_checkpoint",
-     "streaming tasks: every data-parallel rank's stream position is gathered first (exact mid-epoch resume)"),
     ("fairseq_cli.train", "Trainer",
      "the plugin's trainer (torchscale_fairseq.integration.trainer.TsTrainer)"),
     ("fairseq_cli.train", "MegatronTrainer",
@@ -98,7 +95,6 @@ def install() -> None:
     utils.clip_grad_norm_ = clip_grad_norm.clip_grad_norm_
     checkpoint_utils.load_checkpoint_to_cpu = checkpoint_loading.load_checkpoint_to_cpu
     checkpoint_utils.get_maybe_sharded_checkpoint_filename = checkpoint_loading.get_maybe_sharded_checkpoint_filename
-    checkpoint_utils.save_checkpoint = stream_positions.wrap_save_checkpoint(checkpoint_utils.save_checkpoint)
     for module in _tool_modules(fairseq_cli.train.__name__):
         module.Trainer = TsTrainer
         module.MegatronTrainer = TsTrainer

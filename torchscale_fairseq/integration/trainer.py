@@ -45,6 +45,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -69,6 +70,7 @@ from torchscale_fairseq.checkpoints.layout import (
 from torchscale_fairseq.compat.checkpoint_writes import checkpoint_write_error, remove_if_present
 from torchscale_fairseq.criterions import vocab_parallel
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
+from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
@@ -210,6 +212,7 @@ class TsTrainer(Trainer):
             check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
         self.skipped_in_a_row = 0
+        self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
 
     # data parallelism -------------------------------------------------------------
 
@@ -441,6 +444,20 @@ class TsTrainer(Trainer):
             if "://" not in str(filename):
                 remove_if_present(f"{filename}.tmp")
             raise checkpoint_write_error(filename, e) from e
+
+    def get_train_iterator(self, *args, **kwargs):
+        self._train_iterator = super().get_train_iterator(*args, **kwargs)
+        return self._train_iterator
+
+    def consolidate_optimizer(self) -> None:
+        """fairseq's, and the streaming tasks' stream positions of every data-parallel rank
+        gathered into the epoch iterator, whose state data-parallel rank 0 alone then saves
+        (exact mid-epoch resume on every rank). fairseq's ``save_checkpoint`` calls this on
+        every rank before it takes the iterator's state; a step's exception handler calls it
+        too, on its rank alone, for a ``crash.pt`` without the iterator: no collective there."""
+        super().consolidate_optimizer()
+        if isinstance(self._train_iterator, StreamEpochBatchIterator) and sys.exc_info()[1] is None:
+            self._train_iterator.sync_positions()
 
     def _check_saved_layout(self, filename: str) -> None:
         """This rank's file is missing but the checkpoint was saved with another layout
