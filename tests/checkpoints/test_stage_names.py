@@ -99,5 +99,6 @@ def test_one_process_order_from_the_stages_orders(model):
 
 
 def test_orders_that_do_not_determine_one_are_one_line():
-    with pytest.raises(TsConfigError, match=r"^the stages' tensor orders do not give one order of the model's a, b, layers: stages from"):
+    with pytest.raises(TsConfigError, match=r"^the stages' tensor orders do not give one order of the model's a, b, "
+                                            r"layers: stages from"):
         one_process_order([["a.w", "layers.0.w"], ["b.w", "layers.1.w"]])
