@@ -34,8 +34,10 @@
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part, under pipeline parallelism its own ``-stage<p>`` file (layers named
   by their global index); every checkpoint records the tensor-parallel layout, the pipeline
-  stage and the RNG tracker; ranks whose files are of different updates (a save cut short) are
-  refused in one line; a failed write is one line and leaves the previous checkpoints intact.
+  stage, the parameters in optimizer order and the RNG tracker; ranks whose files are of different
+  updates (a save cut short), and optimizer state recorded in another parameter order than the
+  model's, are refused in one line; a failed write is one line and leaves the previous checkpoints
+  intact.
 """
 
 from __future__ import annotations
