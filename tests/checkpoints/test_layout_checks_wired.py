@@ -47,3 +47,26 @@ def test_one_expert_shard_in_a_single_process_names_the_consolidation(lm_data, t
     torch.save(state, path)
     with pytest.raises(TsConfigError, match="ts-consolidate-experts"):
         checkpoint_utils.load_checkpoint_to_cpu(path)
+
+
+def test_optimizer_state_recorded_in_another_order_is_one_line(lm_data, tmp_path):
+    """A checkpoint whose record lists the parameters in another order than the model's (as a
+    converter that misplaced Adam's moments writes it) is refused on load, before any update;
+    with --reset-optimizer its moments are not read, and it loads."""
+    trainer = _trainer(lm_data, tmp_path)
+    path = str(tmp_path / "checkpoint_1_1.pt")
+    trainer.consolidate_optimizer()
+    trainer.save_checkpoint(path, {})
+    assert _trainer(lm_data, tmp_path).load_checkpoint(path) is not None  # in the model's order: loads
+    state = torch.load(path, weights_only=False)
+    params = state["extra_state"][RECORD_KEY]["params"]
+    first, second = params[0], params[1]
+    params[0], params[1] = second, first
+    torch.save(state, path)
+    with pytest.raises(TsConfigError) as refused:
+        _trainer(lm_data, tmp_path).load_checkpoint(path)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path} holds optimizer state for {len(params)} parameters in "
+                                                      f"another order than this model's {len(params)}")
+    assert f"position 0: {second} there, {first} here" in message and "--reset-optimizer" in message
+    assert _trainer(lm_data, tmp_path).load_checkpoint(path, reset_optimizer=True) is not None

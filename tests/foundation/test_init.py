@@ -57,7 +57,8 @@ def test_decoder_only_and_encoder_only_gains(backbone, depth):
     alpha, gain = expected(backbone, "only", depth, depth)
     lm = build("lm", backbone=backbone, decoder_layers=depth, **SIZES)
     mlm = build("mlm", backbone=backbone, encoder_layers=depth, **SIZES)
-    for layer in (lm.decoder.layers[0], lm.decoder.layers[-1], mlm.encoder.encoder.layers[-1]):
+    last = str(depth - 1)  # layers are keyed by their global index
+    for layer in (lm.decoder.layers["0"], lm.decoder.layers[last], mlm.encoder.encoder.layers[last]):
         check_layer(layer, alpha, gain)
 
 
@@ -66,14 +67,14 @@ def test_decoder_only_and_encoder_only_gains(backbone, depth):
 def test_encoder_decoder_gains(backbone, n, m):
     torch.manual_seed(0)
     model = build("mt", backbone=backbone, encoder_layers=n, decoder_layers=m, **SIZES)
-    check_layer(model.encoder.layers[0], *expected(backbone, "enc", n, m))
-    check_layer(model.decoder.layers[-1], *expected(backbone, "dec", n, m), cross=True)
+    check_layer(model.encoder.layers["0"], *expected(backbone, "enc", n, m))
+    check_layer(model.decoder.layers[str(m - 1)], *expected(backbone, "dec", n, m), cross=True)
 
 
 def test_deepnorm_residual_is_scaled_by_alpha():
     """A DeepNorm layer computes LN(alpha * x + f(x)) for both sublayers."""
     torch.manual_seed(0)
-    layer = build("lm", backbone="deepnorm", decoder_layers=4).decoder.layers[0].eval()
+    layer = build("lm", backbone="deepnorm", decoder_layers=4).decoder.layers["0"].eval()
     alpha = (2 * 4) ** 0.25
     x = torch.randn(2, 5, 64)
     h = layer.self_attn_layer_norm(alpha * x + layer.self_attn(x, causal=True))
@@ -84,7 +85,7 @@ def test_deepnorm_residual_is_scaled_by_alpha():
 def test_magneto_has_inner_layernorms_and_preln_does_not():
     mag = build("mt", backbone="magneto")
     pre = build("mt", backbone="preln")
-    layer = mag.decoder.layers[0]
+    layer = mag.decoder.layers["0"]
     assert layer.self_attn.inner_attn_ln is not None and layer.cross_attn.inner_attn_ln is not None
     assert layer.ffn.ffn_layernorm is not None
-    assert pre.decoder.layers[0].self_attn.inner_attn_ln is None and pre.decoder.layers[0].ffn.ffn_layernorm is None
+    assert pre.decoder.layers["0"].self_attn.inner_attn_ln is None and pre.decoder.layers["0"].ffn.ffn_layernorm is None

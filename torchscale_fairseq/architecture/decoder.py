@@ -19,7 +19,7 @@ from fairseq.models import FairseqIncrementalDecoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
-from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, tied_output_copy
+from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, register_tied_output
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
@@ -69,7 +69,10 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             )
             mark_vocab_padded(projection.weight, self.vocab_size)
             self.output_projection = projection if last else None
-        self.tied_output = tied_output_copy(self.split, embed_tokens) if cfg.share_input_output_embed else None
+        if cfg.share_input_output_embed:
+            register_tied_output(self, self.split, embed_tokens)
+        else:
+            self.tied_output = None
 
     @property
     def output_weight(self) -> torch.Tensor:

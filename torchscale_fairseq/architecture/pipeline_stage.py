@@ -1,45 +1,43 @@
 """What a layer stack (the decoder of ``ts_lm``, the encoder of ``ts_mlm``) does as a pipeline
 stage: it holds the chunks of its layers that ``cfg.split`` gives this rank (the first stage the
 embedding, the last the final LayerNorm and output), runs one chunk per forward on the hidden
-states the previous stage sent (Megatron-LM's ``set_input_tensor``), and names its layers in
-its state dict by their global index, as one process does."""
+states the previous stage sent (Megatron-LM's ``set_input_tensor``). Its layers live in an
+``nn.ModuleDict`` keyed by their global index (TorchTitan's), so every parameter is named as in
+one process and a stage's parameters are one process's, in its order, restricted to the stage
+(the last stage's copy of a tied embedding, registered last, added)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.model_parallel.attributes import mark_pipeline_tied
-from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit, global_layer_key, local_layer_key
+from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit
+
+TIED_COPY = "tied_output"  # the attribute holding the last stage's copy of a tied embedding
+EMBEDDING = "embed.embed_tokens.weight"  # a stack's input embedding (the first stage's)
 
 
 class PipelineStage(nn.Module):
     """Base of a layer stack under ``cfg.split`` (one chunk, the whole stack, in one process)."""
 
-    def init_stage(self, cfg: StackConfig, build_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
-        """This rank's layers. Every layer is built, in order, and only this rank's are kept: each
-        parameter gets the value one process gives it (one RNG stream); memory holds one other
-        layer at most."""
+    def init_stage(self, cfg: StackConfig, build_layer: Callable[[int], nn.Module]) -> nn.ModuleDict:
+        """This rank's layers, keyed by their global index. Every layer is built, in order, and only
+        this rank's are kept: each parameter gets the value one process gives it (one RNG stream);
+        memory holds one other layer at most."""
         self.split = cfg.split
-        layers = []
+        layers = nn.ModuleDict()
         for i in range(cfg.layers):
             layer = build_layer(i)
             if self.split.holds_layer(i):
-                layers.append(layer)
-        starts = [0]
-        for layer_range in self.split.chunk_layers:
-            starts.append(starts[-1] + len(layer_range))
-        self._chunk_slices = [slice(a, b) for a, b in zip(starts, starts[1:])]
+                layers[str(i)] = layer
         self._pipeline_chunk = 0
         self._pipeline_input: Optional[torch.Tensor] = None
-        if self.split.stages > 1:  # a stage's state dict names its layers as one process does
-            self.register_state_dict_post_hook(_global_layer_keys)
-            self.register_load_state_dict_pre_hook(_local_layer_keys)
-        return nn.ModuleList(layers)
+        return layers
 
     def set_pipeline_input(self, chunk: int, hidden: Optional[torch.Tensor]) -> None:
         """The next forward runs chunk ``chunk`` of this rank on ``hidden``, the previous stage's
@@ -56,35 +54,32 @@ class PipelineStage(nn.Module):
         """Whether the chunk of the current forward is the last global stage (the output layer's)."""
         return self.split.is_last(self._pipeline_chunk)
 
-    def chunk_layers(self, chunk: int) -> nn.ModuleList:
-        return self.layers[self._chunk_slices[chunk]]
+    def chunk_layers(self, chunk: int) -> list[nn.Module]:
+        """The layers of this rank's chunk ``chunk``, in order."""
+        return [self.layers[str(i)] for i in self.split.chunk_layers[chunk]]
 
 
-def tied_output_copy(split: PipelineSplit, embed_tokens: nn.Module) -> Optional[nn.Module]:
-    """The last stage's copy of the tied input/output embedding ``embed_tokens`` when the first
-    stage is on another rank (``None`` otherwise); the two are marked so that their gradients are
-    summed over the embedding group (Megatron-LM's) and their values stay equal."""
-    if split.stages == 1 or not (split.holds_first_stage or split.holds_last_stage):
-        return None
-    mark_pipeline_tied(embed_tokens.weight, "original" if split.holds_first_stage else "copy")
-    return None if split.holds_first_stage else embed_tokens
+def register_tied_output(owner: nn.Module, split: PipelineSplit, embed_tokens: nn.Module) -> None:
+    """``owner.tied_output``: the last stage's copy of the tied input/output embedding
+    ``embed_tokens`` when the first stage is on another rank, ``None`` otherwise (registered either
+    way: :func:`pipeline_names` finds where a stage keeps the copy); the two are marked so that their
+    gradients are summed over the embedding group (Megatron-LM's) and their values stay equal."""
+    copy = None
+    if split.stages > 1 and (split.holds_first_stage or split.holds_last_stage):
+        mark_pipeline_tied(embed_tokens.weight, "original" if split.holds_first_stage else "copy")
+        copy = None if split.holds_first_stage else embed_tokens
+    owner.register_module(TIED_COPY, copy)
 
 
-def _global_layer_keys(module: PipelineStage, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State-dict hook of a pipeline stage: local layer ``j`` saved as its global index."""
-    _rename_keys(state_dict, lambda key: global_layer_key(key, f"{prefix}layers.", module.split.layer_indices))
-
-
-def _local_layer_keys(module: PipelineStage, state_dict: dict, prefix: str, *unused: Any) -> None:
-    """Load hook of a pipeline stage: global layer indices back to local ones (a layer of another
-    stage keeps its name; :func:`~torchscale_fairseq.models.checkpoint_checks.check_state_dict_shapes`
-    refuses such a checkpoint first)."""
-    indices = module.split.layer_indices
-    _rename_keys(state_dict, lambda key: local_layer_key(key, f"{prefix}layers.", indices) or key)
-
-
-def _rename_keys(state_dict: dict, rename: Callable[[str], str]) -> None:
-    """Rename every key of ``state_dict`` in place, keeping the order."""
-    items = list(state_dict.items())
-    state_dict.clear()
-    state_dict.update((rename(key), value) for key, value in items)
+def pipeline_names(model: nn.Module, stack: nn.Module) -> tuple[str, Optional[tuple[str, str]]]:
+    """``(prefix, tied)`` of the layer stack ``stack`` of ``model``: the stack's prefix in ``model``'s
+    parameter names (``"decoder."``) and, with a tied embedding, ``(copy, original)``: the name of
+    the last stage's copy (:func:`register_tied_output`) and of the embedding it copies."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    prefix = f"{paths[id(stack)]}." if paths[id(stack)] else ""
+    owners = [name for name, module in model.named_modules() if TIED_COPY in module._modules]
+    tied = None
+    if owners:
+        owner = f"{owners[0]}." if owners[0] else ""
+        tied = (f"{owner}{TIED_COPY}.weight", f"{prefix}{EMBEDDING}")
+    return prefix, tied

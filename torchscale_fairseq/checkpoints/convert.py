@@ -12,11 +12,12 @@
   tensors must be identical on every rank. The (sharded) optimizer state is dropped.
 
 - :func:`merge_stages`: the ``P`` pipeline stages of one tensor-parallel rank and expert shard
-  to one state (every stage names its layers by global index, so the model is the union of the
-  stages' tensors; the last stage's copy of a tied embedding must equal the first stage's
-  embedding and is dropped); the optimizer moments follow their parameters into one process's
-  order (embedding, layers in order, the rest). :func:`split_stages` is its inverse for a split
-  given as layer counts per global stage (``--pipeline-layers``; even by default).
+  to one state (a stage's tensors are named as one process's, so the model is the union of the
+  stages' tensors; the last stage's copy of a tied embedding, named by the record, must equal the
+  first stage's embedding and is dropped); tensors and optimizer moments go into one process's
+  order (:func:`one_process_order`). :func:`split_stages` is its inverse for a split given as
+  layer counts per global stage (``--pipeline-layers``; even by default): each stage keeps one
+  process's order restricted to its tensors, as its model has them.
 
 A checkpoint with several kinds of shards is converted by applying each per rank of the
 others (:func:`reshard_grid`, :func:`consolidate_grid`, :func:`repipeline_grid`); all in turn
@@ -27,60 +28,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from torchscale_fairseq.checkpoints.layout import CheckpointLayout, PipelineRecord, read_record, write_record
+from torchscale_fairseq.checkpoints.layout import (
+    LAYER_KEY,
+    CheckpointLayout,
+    PipelineRecord,
+    layer_indices,
+    read_record,
+    write_record,
+)
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.partition import reshard
 from torchscale_fairseq.model_parallel.pipeline_parallel import chunk_layer_ranges, stage_layer_counts
 
 # grids of loaded states: states[(tp_rank, pp_rank, ep_rank)]
 Grid = dict[tuple[int, int, int], dict[str, Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class StackNames:
-    """Where a pipelined model's tensors sit in its state dict: the first stage's embedding, the
-    layers, the last stage's copy of a tied embedding; every other tensor (final LayerNorm,
-    output layer, ``ts_mlm``'s head) is the last stage's. ``leading``: tensors of the last stage that
-    one process orders before the embedding (a module's own parameters come before its
-    submodules'), so that a merged file lists parameters, and their optimizer moments, in the
-    one-process model's order."""
-
-    stack: str  # the prefix of the layer stack the pipeline splits
-    tied_copy: str
-    leading: tuple[str, ...] = ()
-
-    @property
-    def embedding_prefix(self) -> str:
-        return f"{self.stack}embed."
-
-    @property
-    def embedding(self) -> str:
-        return f"{self.stack}embed.embed_tokens.weight"
-
-    @property
-    def layers_prefix(self) -> str:
-        return f"{self.stack}layers."
-
-    @property
-    def output_projection_prefix(self) -> str:
-        return f"{self.stack}output_projection."
-
-
-LM_STACK = StackNames("decoder.", "decoder.tied_output.weight")  # ts_lm
-MLM_STACK = StackNames("encoder.encoder.", "encoder.tied_output.weight", ("encoder.lm_head_bias",))  # ts_mlm
-
-
-def stack_names(keys: Iterable[str]) -> StackNames:
-    """The names of the pipelined model whose state dict (or parameter) names are ``keys`` (every
-    stage holds layers)."""
-    return MLM_STACK if any(k.startswith(MLM_STACK.layers_prefix) for k in keys) else LM_STACK
 
 
 def _plain(cfg: Any) -> Any:
@@ -272,13 +238,73 @@ def consolidate_grid(grid: Grid, tp_size: int, ep_size: int, names: dict | None 
 # pipeline parallelism ----------------------------------------------------------------------
 
 
-def _stack_position(key: str, names: StackNames) -> tuple[int, int]:
-    """Where a tensor sits in one process's order: the leading tensors, embedding, layer ``i``, the rest."""
-    if key in names.leading:
-        return -1, 0
-    if key.startswith(names.layers_prefix):
-        return 1, int(key[len(names.layers_prefix):].split(".", 1)[0])
-    return (0, 0) if key.startswith(names.embedding_prefix) else (2, 0)
+def _recorded_stack(record: CheckpointLayout, name: str) -> PipelineRecord:
+    """The pipeline record of ``name``, refused in one line when it names no layer stack."""
+    if record.pipeline.stack is None:
+        raise TsConfigError(
+            f"{name} records no layer stack to split into pipeline stages (a model without one, or saved before the "
+            "record named it): load it once with this plugin and save it again (e.g. one update with --restore-file)"
+        )
+    return record.pipeline
+
+
+def one_process_order(orders: list[list[str]]) -> list[str]:
+    """One process's order of the tensor names of its stages, each stage's ``orders`` entry being
+    that order restricted to the stage: the pre-order of one module tree (a module's own tensors,
+    then its submodules' in registration order), whose children named by a number (a stack's
+    layers, keyed by global index) come in numeric order. Refused in one line when the stages do
+    not determine it."""
+    leaves = {tuple(name.split(".")) for order in orders for name in order}
+    children: dict[tuple[str, ...], dict[str, None]] = {}
+    before: dict[tuple[str, ...], dict[str, set[str]]] = {}
+    for order in orders:
+        for name in order:
+            parts = tuple(name.split("."))
+            for k in range(len(parts)):
+                children.setdefault(parts[:k], {})[parts[k]] = None
+        for a, b in zip(order, order[1:]):
+            pa, pb = a.split("."), b.split(".")
+            k = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+            before.setdefault(tuple(pa[:k]), {}).setdefault(pa[k], set()).add(pb[k])
+    out: list[str] = []
+
+    def visit(node: tuple[str, ...]) -> None:
+        for child in _sorted_children(node, list(children[node]), before.get(node, {})):
+            path = (*node, child)
+            if path in leaves:
+                out.append(".".join(path))
+            else:
+                visit(path)
+
+    visit(())
+    return out
+
+
+def _sorted_children(node: tuple[str, ...], names: list[str], before: dict[str, set[str]]) -> list[str]:
+    """``names`` (the children of ``node``) in the one order that ``before`` (``a`` -> the names after
+    it) and numeric order of numbered names allow (Kahn's topological sort, one choice at each step)."""
+    after = {n: set(before.get(n, ())) for n in names}
+    numbered = sorted((int(n), n) for n in names if n.isdigit())
+    for (_, a), (_, b) in zip(numbered, numbered[1:]):
+        after[a].add(b)
+    waiting = {n: 0 for n in names}
+    for n in names:
+        for m in after[n]:
+            waiting[m] += 1
+    ready, order = [n for n in names if waiting[n] == 0], []
+    while len(ready) == 1:
+        order.append(ready.pop())
+        for m in after[order[-1]]:
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                ready.append(m)
+    if len(order) != len(names):
+        where = ".".join(node) or "the model"
+        raise TsConfigError(
+            f"the stages' tensor orders do not give one order of {where}'s {', '.join(sorted(set(names) - set(order)))}:"
+            " stages from different runs, or a stage module registered in another order than one process's"
+        )
+    return order
 
 
 def _moved_optimizer(states: list[dict[str, Any]], records: list[CheckpointLayout], params: list[str],
@@ -337,81 +363,84 @@ def merge_stages(states: list[dict[str, Any]], names: list[str] | None = None) -
                 "renamed files"
             )
     check_same_run(states, names, "stages", same_parameters=False)
-    stack = stack_names(states[0]["model"])
-    position = functools.partial(_stack_position, names=stack)
+    stack = _recorded_stack(first, names[0])
+    copy, original = stack.tied or (None, None)
     model: dict[str, torch.Tensor] = {}
     owner: dict[str, tuple[int, str]] = {}
     for p, (state, name) in enumerate(zip(states, names)):
         for key, value in state["model"].items():
-            if key == stack.tied_copy:
+            if key == copy:
                 continue
             if key in model and not torch.equal(model[key], value):
                 raise TsConfigError(f"{name} and {names[owner[key][0]]} hold different {key}: stages from different runs")
             model.setdefault(key, value)
             owner.setdefault(key, (p, key))
     for state, name in zip(states, names):
-        if stack.tied_copy in state["model"] and not torch.equal(state["model"][stack.tied_copy], model.get(stack.embedding)):
+        if copy in state["model"] and not torch.equal(state["model"][copy], model.get(original)):
             raise TsConfigError(f"{name}'s copy of the tied embedding differs from the first stage's: stages from "
                                 "different runs or steps")
-    order = sorted(model, key=position)
-    layers = sorted({position(k)[1] for k in order if k.startswith(stack.layers_prefix)})
+    order = one_process_order([[k for k in s["model"] if k != copy] for s in states])
+    layers = layer_indices(order).get(f"{stack.stack}layers.", [])
     counts = first.pipeline.counts
     if counts is not None and layers != list(range(sum(counts))):
         raise TsConfigError(f"the stages hold layers {layers} but the pipeline split {list(counts)} has "
                             f"{sum(counts)}: a stage is missing or from another run")
-    params = sorted((n for r in records for n in (r.params or ()) if n != stack.tied_copy), key=position) \
+    params = one_process_order([[n for n in r.params if n != copy] for r in records]) \
         if all(r.params is not None for r in records) else None
     for p, record in enumerate(records):
         for key in record.params or ():
             owner.setdefault(key, (p, key))
     optimizer = _moved_optimizer(states, records, params, owner) if params is not None else None
     tp_layout = None if any(r.tp_layout is None for r in records) else {
-        k: v for r in records for k, v in r.tp_layout.items() if k != stack.tied_copy}
-    experts = None if any(r.expert_tensors is None for r in records) else sorted(
-        {k for r in records for k in r.expert_tensors}, key=position)
+        k: v for r in records for k, v in r.tp_layout.items() if k != copy}
+    experts = None if any(r.expert_tensors is None for r in records) else [
+        k for k in order if any(k in r.expert_tensors for r in records)]
     layout = dataclasses.replace(first, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},
-                                 pipeline=PipelineRecord())
+                                 pipeline=PipelineRecord(stack=stack.stack, tied=stack.tied))
     return _rebuilt(states[0], {k: model[k] for k in order}, optimizer, layout)
 
 
 def split_stages(state: dict[str, Any], size: int, virtual: int = 1, counts: list[int] | None = None,
                  name: str = "the checkpoint") -> list[dict[str, Any]]:
     """The ``size`` pipeline stages (``virtual`` chunks each, ``counts`` layers per global stage or
-    an even split) of the one-stage ``state``: the inverse of :func:`merge_stages`."""
+    an even split) of the one-stage ``state``: the inverse of :func:`merge_stages`. A stage holds
+    its layers, the first stage the stack's embedding, the last every other tensor and, with a
+    tied embedding, a copy of it (last, as its model registers it)."""
     record = read_record(state)
     if record.pipeline.size != 1:
         raise TsConfigError(f"{name} is pipeline stage {record.pipeline.rank} of {record.pipeline.size}: merge the "
                             "stages first (pass the checkpoint name)")
+    stack = _recorded_stack(record, name)
     model = state["model"]
-    stack = stack_names(model)
-    layers = len({_stack_position(k, stack)[1] for k in model if k.startswith(stack.layers_prefix)})
-    counts = stage_layer_counts(layers, size * virtual, counts)
-    tied = size > 1 and stack.embedding in model and not any(k.startswith(stack.output_projection_prefix) for k in model)
+    layers_prefix, embedding_prefix = f"{stack.stack}layers.", f"{stack.stack}embed."
+    counts = stage_layer_counts(len(layer_indices(model).get(layers_prefix, [])), size * virtual, counts)
+    copy, original = stack.tied if size > 1 and stack.tied is not None else (None, None)
     stages = []
     for p in range(size):
         held = {i for r in chunk_layer_ranges(counts, size, p) for i in r}
 
         def kept(key: str, p: int = p, held: set = held) -> bool:
-            group, index = _stack_position(key, stack)
-            if group == 1:
-                return index in held
-            return p == 0 if group == 0 else p == size - 1
+            layer = LAYER_KEY.match(key)
+            if layer is not None and layer.group(1) == layers_prefix:
+                return int(layer.group(2)) in held
+            return p == 0 if key.startswith(embedding_prefix) else p == size - 1
 
         stage_model = {k: v for k, v in model.items() if kept(k)}
         params = None if record.params is None else [n for n in record.params if kept(n)]
         source = {n: (0, n) for n in params or ()}
         tp_layout = None if record.tp_layout is None else {k: v for k, v in record.tp_layout.items() if kept(k)}
-        if tied and p == size - 1:
-            stage_model[stack.tied_copy] = model[stack.embedding].clone()
+        if copy is not None and p == size - 1:
+            stage_model[copy] = model[original].clone()
             if params is not None:
-                params.append(stack.tied_copy)
-                source[stack.tied_copy] = (0, stack.embedding)
-            if tp_layout is not None and stack.embedding in record.tp_layout:
-                tp_layout[stack.tied_copy] = record.tp_layout[stack.embedding]
+                params.append(copy)
+                source[copy] = (0, original)
+            if tp_layout is not None and original in record.tp_layout:
+                tp_layout[copy] = record.tp_layout[original]
         optimizer = _moved_optimizer([state], [record], params, source) if params is not None else None
         experts = None if record.expert_tensors is None else [k for k in record.expert_tensors if kept(k)]
         layout = dataclasses.replace(record, params=params, tp_layout=tp_layout, expert_tensors=experts, rng={},
-                                     pipeline=PipelineRecord(size, p, virtual, tuple(counts)))
+                                     pipeline=dataclasses.replace(stack, size=size, rank=p, virtual=virtual,
+                                                                  counts=tuple(counts)))
         stages.append(_rebuilt(state, stage_model, optimizer, layout))
     return stages
 

@@ -6,14 +6,24 @@ whose experts are spread over ``S`` data-parallel ranks is the grid of files
 ``NAME{base}{-model_part-k if T > 1}{-stage p if P > 1}{-shard r if S > 1}.pt`` for ``k < T``,
 ``p < P``, ``r < S`` (:func:`checkpoint_suffix`; ``base`` is the user's ``--checkpoint-suffix``).
 A stage's file names its layers by their global index (``decoder.layers.i``, ``ts_mlm``'s
-``encoder.encoder.layers.i``, as one process).
+``encoder.encoder.layers.i``), as one process does: a stage's modules are named as one process's.
 
 Record. Every file holds ``extra_state["ts_tensor_parallel"]`` (:func:`describe`)::
 
     {"size": T, "rank": k, "layout": {name: {"dim", "stride", "vocab"}},
      "params": [trainable parameter names, optimizer order], "rng": tracker state,
      "expert_parallel": {"size": S, "rank": r, "experts": E, "tensors": [expert names]},
-     "pipeline": {"size": P, "rank": p, "virtual": V, "counts": [layers per global stage]}}
+     "pipeline": {"size": P, "rank": p, "virtual": V, "counts": [layers per global stage],
+                  "stack": "decoder.", "tied": [copy, original] or None}}
+
+``params`` is the order of the optimizer state: one process's parameter order, restricted to the
+file's stage (the last stage's copy of a tied embedding, last, added), since a stage's modules are
+named and registered as one process's (:mod:`torchscale_fairseq.architecture.pipeline_stage`).
+Loading refuses optimizer state recorded in another order than the model's
+(:func:`check_optimizer_order`). ``stack`` is the prefix of the layer stack a pipeline splits
+(its layers ``{stack}layers.i``, its embedding ``{stack}embed.``, the first stage's; every other
+tensor the last stage's) and ``tied`` names the last stage's copy of a tied embedding and the
+embedding it copies.
 
 ``layout`` says which tensors are split along which dimension with which stride and which
 dimension is a padded vocabulary (:mod:`torchscale_fairseq.model_parallel.partition`);
@@ -30,7 +40,8 @@ Checkpoints without ``pipeline`` are one stage.
 
 Checks. :func:`check_tensor_parallel_size`, :func:`check_pipeline_size`,
 :func:`check_expert_shards` and :func:`check_checkpoint_name` refuse a mismatched load with one
-line naming the conversion command (``ts-reshard``, ``ts-consolidate-experts``).
+line naming the conversion command (``ts-reshard``, ``ts-consolidate-experts``);
+:func:`check_optimizer_order` refuses optimizer state in another parameter order.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import copy
 import glob
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +76,19 @@ CONSOLIDATE_COMMAND = "ts-consolidate-experts"
 _SUFFIX = re.compile(
     rf"^(?P<base>.*?)(?:{PART_SUFFIX}(?P<part>\d+))?(?:{STAGE_SUFFIX}(?P<stage>\d+))?(?:{SHARD_SUFFIX}(?P<shard>\d+))?$")
 Position = tuple[int, int, int]  # (tensor-parallel rank, pipeline stage, expert shard) of one file
+
+
+LAYER_KEY = re.compile(r"^((?:.*?\.)?layers\.)(\d+)\.")  # a stack's layers: ``{stack}layers.{global index}.``
+
+
+def layer_indices(keys: Iterable[str]) -> dict[str, list[int]]:
+    """The layer indices in ``keys`` per layer-stack prefix (``{"decoder.layers.": [0, 1]}``)."""
+    found: dict[str, set[int]] = {}
+    for key in keys:
+        match = LAYER_KEY.match(key)
+        if match:
+            found.setdefault(match.group(1), set()).add(int(match.group(2)))
+    return {prefix: sorted(indices) for prefix, indices in found.items()}
 
 
 # names ---------------------------------------------------------------------------------
@@ -193,24 +217,30 @@ def find_checkpoint_files(name: str, flag: str = "the checkpoint name") -> Check
 @dataclass(frozen=True)
 class PipelineRecord:
     """The pipeline stage a file holds: ``rank`` of ``size`` ranks with ``virtual`` chunks each,
-    ``counts`` the layers of every global stage (``None``: one stage, the whole stack)."""
+    ``counts`` the layers of every global stage (``None``: one stage, the whole stack); ``stack``
+    the prefix of the layer stack (``None``: a model without one, or saved before it was recorded),
+    ``tied`` the names ``(copy, original)`` of a tied embedding's last-stage copy and the embedding."""
 
     size: int = 1
     rank: int = 0
     virtual: int = 1
     counts: tuple[int, ...] | None = None
+    stack: str | None = None
+    tied: tuple[str, str] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"size": self.size, "rank": self.rank, "virtual": self.virtual,
-                "counts": None if self.counts is None else list(self.counts)}
+                "counts": None if self.counts is None else list(self.counts), "stack": self.stack,
+                "tied": None if self.tied is None else list(self.tied)}
 
     @classmethod
     def from_dict(cls, record: dict[str, Any] | None) -> PipelineRecord:
         if not record:
             return cls()
-        counts = record.get("counts")
+        counts, tied = record.get("counts"), record.get("tied")
         return cls(int(record["size"]), int(record["rank"]), int(record.get("virtual") or 1),
-                   None if counts is None else tuple(int(c) for c in counts))
+                   None if counts is None else tuple(int(c) for c in counts), record.get("stack"),
+                   None if tied is None else (str(tied[0]), str(tied[1])))
 
 
 @dataclass(frozen=True)
@@ -249,26 +279,29 @@ def expert_count(model: torch.nn.Module) -> int:
     return 0
 
 
+def optimizer_order(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s trainable parameters in the order fairseq's optimizer holds them."""
+    return [key for key, p in model.named_parameters() if p.requires_grad]
+
+
 def describe(
     model: torch.nn.Module, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int, rng_state: dict,
-    pipeline: PipelineRecord | None = None, name: Callable[[str], str] = str,
+    pipeline: PipelineRecord | None = None,
 ) -> dict[str, Any]:
     """The record of the module docstring, for ``extra_state[RECORD_KEY]``; ``ep_size``
-    is the number of expert shards (1 unless every data-parallel rank saves its own);
-    ``name`` maps a parameter's name to its name in the state dict (a stage's global layer index)."""
+    is the number of expert shards (1 unless every data-parallel rank saves its own)."""
     expert_names = {id(p) for p in model.parameters() if is_expert(p)}
     return {
         "size": tp_size,
         "rank": tp_rank,
-        "layout": {name(key): value for key, value in layout(model).items()},
-        "params": [name(key) for key, p in model.named_parameters() if p.requires_grad],
+        "layout": layout(model),
+        "params": optimizer_order(model),
         "rng": rng_state,
         EXPERT_RECORD_KEY: {
             "size": ep_size,
             "rank": ep_rank,
             "experts": expert_count(model),
-            "tensors": [name(key) for key, p in model.named_parameters(remove_duplicate=False)
-                        if id(p) in expert_names],
+            "tensors": [key for key, p in model.named_parameters(remove_duplicate=False) if id(p) in expert_names],
         },
         PIPELINE_RECORD_KEY: (pipeline or PipelineRecord()).as_dict(),
     }
@@ -417,6 +450,21 @@ def check_pipeline_size(state: dict[str, Any], path: str, wanted: int) -> None:
             f"with `{RESHARD_COMMAND} --input {checkpoint_name(path)} --pipeline-size {wanted} --output NEW.pt` "
             "(then use NEW.pt)"
         )
+
+
+def check_optimizer_order(saved: list[str] | None, model: torch.nn.Module, path: str) -> None:
+    """Refuse optimizer state recorded (``saved``, the record's ``params``) for another parameter
+    order than ``model``'s: its moments would be given to other parameters (``None``: not recorded)."""
+    own = optimizer_order(model)
+    if saved is None or list(saved) == own:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(saved, own)) if a != b), min(len(saved), len(own)))
+    theirs, ours = (names[at] if at < len(names) else "nothing" for names in (saved, own))
+    raise TsConfigError(
+        f"{path} holds optimizer state for {len(saved)} parameters in another order than this model's {len(own)} "
+        f"(position {at}: {theirs} there, {ours} here), so its moments would go to other parameters: resume with "
+        "--reset-optimizer, or from a checkpoint this model saved"
+    )
 
 
 def check_expert_shards(state: dict[str, Any], path: str, wanted: int) -> None:

@@ -34,14 +34,15 @@
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part, under pipeline parallelism its own ``-stage<p>`` file (layers named
   by their global index); every checkpoint records the tensor-parallel layout, the pipeline
-  stage and the RNG tracker; ranks whose files are of different updates (a save cut short) are
-  refused in one line; a failed write is one line and leaves the previous checkpoints intact.
+  stage, the parameters in optimizer order and the RNG tracker; ranks whose files are of different
+  updates (a save cut short), and optimizer state recorded in another parameter order than the
+  model's, are refused in one line; a failed write is one line and leaves the previous checkpoints
+  intact.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -55,10 +56,11 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
-from torchscale_fairseq.checkpoints.convert import stack_names
+from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import (
     RECORD_KEY,
     PipelineRecord,
+    check_optimizer_order,
     checkpoint_name,
     checkpoint_suffix,
     describe,
@@ -79,7 +81,6 @@ from torchscale_fairseq.integration.tensor_parallel_init import multi_process_er
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
-from torchscale_fairseq.model_parallel.pipeline_parallel import global_layer_key
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
@@ -422,17 +423,17 @@ class TsTrainer(Trainer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         ep_size, ep_rank = self.expert_parallel_size_and_rank
-        pipeline, name = PipelineRecord(), str
-        if self.parallel.pipeline_size > 1:  # the model's state dict names layers by global index
-            model = self.get_model()
-            split = model.pipeline_stack.split
+        model = self.get_model()
+        pipeline = PipelineRecord()
+        stack = getattr(model, "pipeline_stack", None)
+        if stack is not None:  # a stage's modules are named as one process's: no renaming
+            prefix, tied = pipeline_names(model, stack)
+            split = stack.split
             pipeline = PipelineRecord(self.parallel.pipeline_size, self.parallel.pipeline_rank, split.chunks,
-                                      split.counts)
-            layers_prefix = stack_names(n for n, _ in model.named_parameters()).layers_prefix
-            name = functools.partial(global_layer_key, layers_prefix=layers_prefix, layer_indices=split.layer_indices)
+                                      split.counts if self.parallel.pipeline_size > 1 else None, prefix, tied)
         state["extra_state"][RECORD_KEY] = describe(
-            self.get_model(), self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
-            get_rng_tracker().state_dict(), pipeline, name)
+            model, self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
+            get_rng_tracker().state_dict(), pipeline)
         return state
 
     def save_checkpoint(self, filename: str, extra_state: dict):
@@ -495,15 +496,19 @@ class TsTrainer(Trainer):
             f"the ranks' checkpoint files are from different updates ({shown}; a run stopped while "
             f"saving): {fix}")
 
-    def load_checkpoint(self, filename, *args, **kwargs):
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
+                        reset_meters=False):
         self._check_saved_layout(filename)
         if self._saves_per_rank:  # every rank reads its own shard / part / stage (no broadcast)
             with open_dict(self.cfg):
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        extra_state = super().load_checkpoint(filename, *args, **kwargs)
+        extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides,
+                                              reset_meters)
         if self._saves_per_rank:
             self._check_ranks_resume_together(filename)
         saved = (extra_state or {}).get(RECORD_KEY) or {}
+        if not reset_optimizer:  # before any step: moments given to other parameters never update one
+            check_optimizer_order(saved.get("params"), self.get_model(), filename)
         if saved.get("size") == self.parallel.tensor_size and saved.get("rng"):
             get_rng_tracker().load_state_dict(saved["rng"])
         return extra_state

@@ -121,30 +121,6 @@ class PipelineSplit:
     def holds_layer(self, index: int) -> bool:
         return any(index in r for r in self.chunk_layers)
 
-    @property
-    def layer_indices(self) -> list[int]:
-        """The global index of each layer this rank holds, in its local order (ascending)."""
-        return [i for r in self.chunk_layers for i in r]
-
-
-def global_layer_key(key: str, layers_prefix: str, layer_indices: Sequence[int]) -> str:
-    """``{layers_prefix}{j}.rest`` (local layer ``j``) -> ``{layers_prefix}{layer_indices[j]}.rest``;
-    other keys unchanged. A stage's checkpoint names its layers as one process does."""
-    if not key.startswith(layers_prefix):
-        return key
-    index, rest = key[len(layers_prefix):].split(".", 1)
-    return f"{layers_prefix}{layer_indices[int(index)]}.{rest}"
-
-
-def local_layer_key(key: str, layers_prefix: str, layer_indices: Sequence[int]) -> str | None:
-    """The inverse of :func:`global_layer_key`: ``None`` for a layer this rank does not hold."""
-    if not key.startswith(layers_prefix):
-        return key
-    index, rest = key[len(layers_prefix):].split(".", 1)
-    if int(index) not in layer_indices:
-        return None
-    return f"{layers_prefix}{list(layer_indices).index(int(index))}.{rest}"
-
 
 def sum_tied_grads(params: Iterable[torch.Tensor], embedding_group: Any) -> None:
     """The tied embedding's gradient on the first and last stage: the sum of both (the input

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
 
 import torch
 
+from torchscale_fairseq.checkpoints.layout import layer_indices
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import is_expert, sharded_dim
 
@@ -43,22 +44,15 @@ def check_state_dict_shapes(model: torch.nn.Module, state_dict: Mapping[str, tor
 def check_layers(own: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> None:
     """One line when the checkpoint holds other layers than the model (a pipeline stage: its
     own layers, by global index): another ``--decoder-layers`` or another pipeline split."""
-    for prefix in LAYER_PREFIXES:
-        held, saved = _layer_indices(own, prefix), _layer_indices(state_dict, prefix)
-        if held != saved:
+    held, saved = layer_indices(own), layer_indices(state_dict)
+    for prefix in sorted(held.keys() | saved.keys()):
+        if held.get(prefix, []) != saved.get(prefix, []):
             raise TsConfigError(
-                f"the checkpoint holds {prefix}{_ranges(saved)} but this model (pipeline stage) holds "
-                f"{prefix}{_ranges(held)}: use the checkpoint's number of layers and pipeline split "
+                f"the checkpoint holds {prefix}{_ranges(saved.get(prefix, []))} but this model (pipeline stage) holds "
+                f"{prefix}{_ranges(held.get(prefix, []))}: use the checkpoint's number of layers and pipeline split "
                 "(--pipeline-model-parallel-size, --virtual-pipeline-stages, --pipeline-layers), or convert it "
                 "with `ts-reshard --pipeline-size`"
             )
-
-
-LAYER_PREFIXES = ("decoder.layers.", "encoder.layers.", "encoder.encoder.layers.")  # (ts_mlm: the last)
-
-
-def _layer_indices(keys: Mapping[str, Any], prefix: str) -> list[int]:
-    return sorted({int(k[len(prefix):].split(".", 1)[0]) for k in keys if k.startswith(prefix)})
 
 
 def _ranges(indices: list[int]) -> str:

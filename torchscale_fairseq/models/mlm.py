@@ -12,7 +12,7 @@ from fairseq.models import FairseqEncoder, FairseqEncoderModel, register_model, 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import build_token_embedding
 from torchscale_fairseq.architecture.encoder import TransformerEncoder
-from torchscale_fairseq.architecture.pipeline_stage import tied_output_copy
+from torchscale_fairseq.architecture.pipeline_stage import register_tied_output
 from torchscale_fairseq.device_init import build_on_cpu
 from torchscale_fairseq.model_parallel.attributes import mark_sharded, mark_vocab_padded
 from torchscale_fairseq.model_parallel.layers import parallel_logits
@@ -27,7 +27,7 @@ class MaskedLMEncoder(FairseqEncoder):
     """Encoder plus the BERT head: dense, GELU, LayerNorm, tied output embedding + bias.
 
     Under pipeline parallelism the head is on the last stage, with a copy of the embedding when
-    the first stage is on another rank (:func:`~torchscale_fairseq.architecture.pipeline_stage.tied_output_copy`);
+    the first stage is on another rank (:func:`~torchscale_fairseq.architecture.pipeline_stage.register_tied_output`);
     a stage before the last returns its hidden states."""
 
     def __init__(self, cfg: StackConfig, dictionary) -> None:
@@ -44,7 +44,7 @@ class MaskedLMEncoder(FairseqEncoder):
         self.lm_head_bias = nn.Parameter(torch.zeros(embed_tokens.weight.size(0))) if last else None
         if last:
             mark_vocab_padded(mark_sharded(self.lm_head_bias, 0), self.vocab_size)
-        self.tied_output = tied_output_copy(cfg.split, embed_tokens)
+        register_tied_output(self, cfg.split, embed_tokens)
 
     def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
                 return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None,
