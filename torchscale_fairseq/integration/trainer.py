@@ -12,8 +12,8 @@
   SparseClip's dense and expert parts are logged on unscaled gradients;
 - ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`); ``--amp`` on
   the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
-- Python's garbage collector does not run inside a training step (:func:`no_gc_pause`), and the
-  step's logging adds no host sync (:meth:`TsTrainer._reduce_and_log_stats`);
+- Python's garbage collector does not run inside a training step, and the step's logging adds no
+  host sync (:mod:`.host_overhead`, :meth:`TsTrainer._reduce_and_log_stats`);
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
@@ -36,18 +36,17 @@
   by their global index); every checkpoint records the tensor-parallel layout, the pipeline
   stage, the parameters in optimizer order and the RNG tracker; ranks whose files are of different
   updates (a save cut short), and optimizer state recorded in another parameter order than the
-  model's, are refused in one line; a failed write is one line and leaves the previous checkpoints
-  intact.
+  model's, are refused in one line (:mod:`torchscale_fairseq.checkpoints.rank_files`); a failed
+  write is one line and leaves the previous checkpoints intact.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,32 +55,26 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
-from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
-from torchscale_fairseq.checkpoints.layout import (
-    RECORD_KEY,
-    PipelineRecord,
-    check_optimizer_order,
-    checkpoint_name,
-    checkpoint_suffix,
-    describe,
-    find_checkpoint_files,
-    has_saved_files,
-    newest_complete_checkpoint,
-    split_suffix,
+from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
+from torchscale_fairseq.checkpoints.rank_files import (
+    check_ranks_resume_together,
+    check_saved_layout,
+    rank_record,
+    restore_from_record,
 )
 from torchscale_fairseq.compat.checkpoint_writes import checkpoint_write_error, remove_if_present
-from torchscale_fairseq.criterions import vocab_parallel
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
+from torchscale_fairseq.criterions.fused_loss_check import check_fused_loss_run
 from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
+from torchscale_fairseq.integration.host_overhead import LazyLoggingOutput, no_gc_pause
 from torchscale_fairseq.integration.pipeline_step import ScheduledTask, check_pipeline_run, run_pipeline_schedule
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
-from torchscale_fairseq.model_parallel.random import get_rng_tracker
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
 from torchscale_fairseq.modules.moe.layer import discard_expert_loads, update_expert_biases
@@ -105,46 +98,6 @@ def _building(module: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, original)
-
-
-@contextlib.contextmanager
-def no_gc_pause() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the duration (as nanochat's training loop): a
-    collection triggered by the allocations of a step would pause it, idling the device; it runs
-    at the first allocation after the step instead, while the device works through the step."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class LazyLoggingOutput(Mapping):
-    """fairseq's per-step logging output (``agg.get_smoothed_values()`` plus ``sample_size``, less
-    ``ppl``, ``wps``, ``wpb`` and ``bsz``), computed on first read: each value is a host sync."""
-
-    def __init__(self, agg: Any, sample_size: Any) -> None:
-        self._agg, self._sample_size, self._values = agg, sample_size, None
-
-    def _read(self) -> dict:
-        if self._values is None:
-            values = dict(self._agg.get_smoothed_values())
-            for key in ("ppl", "wps", "wpb", "bsz"):
-                values.pop(key, None)
-            values["sample_size"] = self._sample_size
-            self._values = values
-        return self._values
-
-    def __getitem__(self, key: str) -> Any:
-        return self._read()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._read())
-
-    def __len__(self) -> int:
-        return len(self._read())
 
 
 class SkippedUpdate(Exception):
@@ -177,24 +130,6 @@ def _pending_factor(optimizer: Any) -> float | torch.Tensor:
     copy, since clipping later multiplies the wrapper's tensor in place."""
     factor = getattr(optimizer, "_multiply_factor", 1.0)
     return factor.clone() if torch.is_tensor(factor) else factor
-
-
-def check_fused_loss_run(model: Any, criterion: Any, cfg: Any) -> None:
-    """``--ts-fused-cross-entropy`` runs where its loss is computed: with the criterions that call the
-    decoder's ``output_loss``, and where the output weight may be used after the wrapped forward
-    (not with DDP's ``--find-unused-parameters``, nor a sharded data-parallel wrapper)."""
-    if not getattr(getattr(model, "decoder", None), "fuses_output_loss", False):
-        return
-    if not isinstance(criterion, vocab_parallel.CrossEntropyCriterion):
-        raise TsConfigError(
-            f"--ts-fused-cross-entropy computes the loss in the criterions cross_entropy and moe_cross_entropy, not "
-            f"--criterion {cfg.criterion._name}: use one of those or drop the flag"
-        )
-    if cfg.distributed_training.find_unused_parameters or cfg.distributed_training.ddp_backend == "fully_sharded":
-        raise TsConfigError(
-            "--ts-fused-cross-entropy uses the output weight after the model's forward, which DDP's "
-            "--find-unused-parameters and --ddp-backend fully_sharded do not allow: drop one of the two"
-        )
 
 
 class TsTrainer(Trainer):
@@ -422,18 +357,8 @@ class TsTrainer(Trainer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        ep_size, ep_rank = self.expert_parallel_size_and_rank
-        model = self.get_model()
-        pipeline = PipelineRecord()
-        stack = getattr(model, "pipeline_stack", None)
-        if stack is not None:  # a stage's modules are named as one process's: no renaming
-            prefix, tied = pipeline_names(model, stack)
-            split = stack.split
-            pipeline = PipelineRecord(self.parallel.pipeline_size, self.parallel.pipeline_rank, split.chunks,
-                                      split.counts if self.parallel.pipeline_size > 1 else None, prefix, tied)
-        state["extra_state"][RECORD_KEY] = describe(
-            model, self.parallel.tensor_size, self.parallel.tensor_rank, ep_size, ep_rank,
-            get_rng_tracker().state_dict(), pipeline)
+        state["extra_state"][RECORD_KEY] = rank_record(self.get_model(), self.parallel,
+                                                       *self.expert_parallel_size_and_rank)
         return state
 
     def save_checkpoint(self, filename: str, extra_state: dict):
@@ -460,56 +385,15 @@ class TsTrainer(Trainer):
         if isinstance(self._train_iterator, StreamEpochBatchIterator) and sys.exc_info()[1] is None:
             self._train_iterator.sync_positions()
 
-    def _check_saved_layout(self, filename: str) -> None:
-        """This rank's file is missing but the checkpoint was saved with another layout
-        (another tensor-parallel size or data-parallel size of an expert-sharded run): one
-        line instead of a silent fresh start."""
-        name = checkpoint_name(filename)
-        if "://" in filename or os.path.exists(filename) or not has_saved_files(name):
-            return
-        files = find_checkpoint_files(name)
-        raise TsConfigError(
-            f"{filename} does not exist but {name} was saved as {files.tp_size} tensor-parallel part(s) x "
-            f"{files.pp_size} pipeline stage(s) x {files.ep_size} expert shard(s): resume with that layout, or "
-            "convert it (ts-reshard, ts-consolidate-experts) and start from the result with --restore-file"
-        )
-
-    def _check_ranks_resume_together(self, filename: str) -> None:
-        """Ranks that each read their own file must go on from one update. A run killed
-        between two ranks' writes of ``checkpoint_last`` leaves parts of different updates,
-        and ranks that resume from different updates wait on each other forever: one line
-        naming the newest checkpoint every file holds instead."""
-        loaded: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(
-            loaded, (self.get_num_updates() if os.path.exists(filename) else None, filename))
-        if len({updates for updates, _ in loaded}) == 1:
-            return
-        known = [updates for updates, _ in loaded if updates is not None]
-        shown = ", ".join(f"{os.path.basename(path)} @ {'missing' if updates is None else updates}"
-                          for updates, path in sorted(set(loaded), key=lambda item: item[1])[:4])
-        save_dir = os.path.dirname(filename) or "."
-        base = split_suffix(self.checkpoint_suffix)[0]
-        newest = newest_complete_checkpoint(save_dir, min(known, default=0), base)
-        fix = (f"resume with --restore-file {newest}" if newest else
-               f"move the {checkpoint_name(filename)} files out of {save_dir} to start fresh")
-        raise TsConfigError(
-            f"the ranks' checkpoint files are from different updates ({shown}; a run stopped while "
-            f"saving): {fix}")
-
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
                         reset_meters=False):
-        self._check_saved_layout(filename)
+        check_saved_layout(filename)
         if self._saves_per_rank:  # every rank reads its own shard / part / stage (no broadcast)
             with open_dict(self.cfg):
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
         extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides,
                                               reset_meters)
         if self._saves_per_rank:
-            self._check_ranks_resume_together(filename)
-        saved = (extra_state or {}).get(RECORD_KEY) or {}
-        if not reset_optimizer:  # before any step: moments given to other parameters never update one
-            check_optimizer_order(saved.get("params"), self.get_model(), filename)
-        if saved.get("size") == self.parallel.tensor_size and saved.get("rng"):
-            get_rng_tracker().load_state_dict(saved["rng"])
+            check_ranks_resume_together(filename, self.get_num_updates(), split_suffix(self.checkpoint_suffix)[0])
+        restore_from_record(extra_state, self.get_model(), self.parallel.tensor_size, filename, reset_optimizer)
         return extra_state
-
