@@ -1,8 +1,8 @@
 """The parallel context: the rank layout of every group against an independent enumeration and
 Megatron-core's construction loops (tensor fastest, then data, then pipeline), its one-line
 errors, the single-process context, the expert-layout lookup, and on 4 gloo ranks the groups
-the building function creates (``T = 2 x P = 2``, ``P = 4``, experts over ``D = 4``), their
-members found by an all-reduce inside each group."""
+the building function creates (``T = 2 x P = 2``, ``P = 4``, experts over ``D = 4`` at every
+expert-parallel size or one), their members found by an all-reduce inside each group."""
 
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def test_single_process_context():
     assert (layout.local_experts, layout.first_expert, layout.group) == (8, 0, None)
 
 
-def test_unbuilt_expert_layout_is_one_line():
+def test_unbuilt_expert_groups_are_one_line():
     two_data_ranks = ParallelContext(2, 1, (1,), (0, 1), (1,), (1,))
     assert two_data_ranks.data_rank == 1
-    with pytest.raises(TsConfigError, match=r"^the model asks for 4 experts at --moe-expert-parallel-size 0 but .*"
-                                            r"\(none\): pass the model's MoE configuration") as e:
+    with pytest.raises(TsConfigError, match=r"^the parallel context holds no expert-parallel groups of size 2 "
+                                            r"\(built: none\): build it with .*including 2") as e:
         two_data_ranks.expert_parallel(4)
     assert "\n" not in str(e.value)
 
@@ -147,10 +147,11 @@ def test_embedding_groups_join_first_and_last_stage(ranks):
 
 
 def test_expert_groups_are_built_with_the_context(ranks):
-    assert all(r["t2p2"]["expert_layouts"] == 0 for r in ranks)  # one data-parallel rank: all local
+    assert all(r["t2p2"]["expert_groups"] == [] for r in ranks)  # one data-parallel rank: all local
     assert all(r["t2p2"]["experts"]["4/0"] == {"all_to_all": [rank], "replicas": [rank], "first": 0, "local": 4,
                                                "size": 1} for rank, r in enumerate(ranks))
-    assert all(r["experts"]["expert_layouts"] == 3 for r in ranks)
+    assert all(r["experts"]["expert_groups"] == [1, 2, 4] for r in ranks)  # every divisor of D = 4
+    assert all(r["experts_a2"]["expert_groups"] == [2] for r in ranks)
     for rank, r in enumerate(ranks):
         experts = r["experts"]["experts"]
         # 4 experts over 4 data-parallel ranks: one each, one all-to-all group, no replicas
@@ -162,5 +163,11 @@ def test_expert_groups_are_built_with_the_context(ranks):
                                   "local": 1, "size": 2}
         assert experts["4/2"] == {"all_to_all": pair, "replicas": [rank % 2, rank % 2 + 2], "first": 2 * (rank % 2),
                                   "local": 2, "size": 2}
-        assert r["experts"]["unbuilt"].startswith("the model asks for 8 experts at --moe-expert-parallel-size 0")
-        assert r["t2p2"]["unbuilt"] == ""  # one data-parallel rank: every layout is local
+        # size 1: every expert on every rank, all four ranks replicas
+        assert experts["4/1"] == {"all_to_all": [rank], "replicas": [0, 1, 2, 3], "first": 0, "local": 4, "size": 1}
+        # the groups depend on the size alone: 4 experts at size 2 and 2 experts at size 2 share them
+        assert r["experts_a2"]["experts"]["4/2"] == experts["4/2"]
+        assert r["experts_a2"]["experts"]["2/0"] == experts["2/0"]
+        assert r["experts"]["unbuilt"] == r["t2p2"]["unbuilt"] == ""  # every size built / one data-parallel rank
+        assert r["experts_a2"]["unbuilt"].startswith("the parallel context holds no expert-parallel groups of size 4 "
+                                                      "(built: 2)")
