@@ -28,7 +28,8 @@ STOCK_CLIP_GRAD_NORM = utils.clip_grad_norm_
 def clip_grad_norm_(params, max_norm: float, aggregate_norm_fn=None,
                     parallel: ParallelContext | None = None) -> torch.Tensor:
     """Drop-in for ``fairseq.utils.clip_grad_norm_``: returns the total norm over ``parallel``'s
-    groups (``None``: one process) and scales the gradients by ``max_norm / ||g||`` when that is below 1 (``max_norm > 0``)."""
+    groups (``None``: one process) and scales the gradients by ``max_norm / ||g||`` when that is
+    below 1 (``max_norm > 0``)."""
     if isinstance(params, torch.Tensor):
         params = [params]
     params = [p for p in params if p is not None]

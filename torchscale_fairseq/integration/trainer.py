@@ -204,7 +204,7 @@ class TsTrainer(Trainer):
     """fairseq's ``Trainer`` with the changes listed in the module docstring."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
-        self.parallel = current_parallel_context()  # the groups distributed_init built, kept: read once
+        self.parallel = current_parallel_context()  # the groups distributed_init built (read once, kept)
         if cfg.common.model_parallel_size > 1 and self.parallel.tensor_size != cfg.common.model_parallel_size:
             raise multi_process_error(cfg.common.model_parallel_size)
         check_foreign_flags(cfg.optimizer)
