@@ -1,7 +1,7 @@
 """One rank of the parallel-context check (run by ``test_parallel_context.py``).
 
 ``python context_worker.py RANK WORLD INIT_METHOD OUT``: on 4 gloo ranks every rank builds the
-contexts of :data:`CASES` (in the same order) and finds each group's members by an all-reduce
+contexts of :data:`CASES` (in the same order), looks expert layouts up in them, and finds each group's members by an all-reduce
 of its global rank, one-hot, inside the group; rank 0 writes every rank's findings, with the
 context's own ranks, sizes and stage flags, to ``OUT`` (JSON).
 """
@@ -18,11 +18,13 @@ from tests.rendezvous import leave_process_group
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context
 
-# name: (tensor size, pipeline size, (expert count, --moe-expert-parallel-size) pairs)
+# name: (tensor size, pipeline size, expert-parallel sizes (None: every divisor of the data-parallel
+# size), the (expert count, --moe-expert-parallel-size) layouts looked up)
 CASES = {
-    "t2p2": (2, 2, [(4, 0)]),  # data-parallel size 1: no expert group
-    "p4": (1, 4, []),  # middle stages: in no embedding group
-    "experts": (1, 1, [(4, 0), (2, 0), (4, 2), (4, 2)]),  # the repeated pair is built once
+    "t2p2": (2, 2, None, [(4, 0)]),  # data-parallel size 1: no expert group, every expert local
+    "p4": (1, 4, None, []),  # middle stages: in no embedding group
+    "experts": (1, 1, None, [(4, 0), (2, 0), (4, 2), (4, 1)]),  # sizes 1, 2 and 4
+    "experts_a2": (1, 1, [2, 2], [(4, 2), (2, 0)]),  # the repeated size is built once
 }
 
 
@@ -36,8 +38,9 @@ def members(group, rank: int, world: int) -> list[int]:
     return [r for r in range(world) if one_hot[r]]
 
 
-def findings(tensor: int, pipeline: int, experts: list[tuple[int, int]], rank: int, world: int) -> dict:
-    ctx = build_parallel_context(tensor, pipeline, experts)
+def findings(tensor: int, pipeline: int, sizes: list[int] | None, lookups: list[tuple[int, int]], rank: int,
+             world: int) -> dict:
+    ctx = build_parallel_context(tensor, pipeline, sizes)
     out = {
         "tensor": members(ctx.tensor_group, rank, world), "tensor_ranks": list(ctx.tensor_ranks),
         "data": members(ctx.data_group, rank, world), "data_ranks": list(ctx.data_ranks),
@@ -47,16 +50,16 @@ def findings(tensor: int, pipeline: int, experts: list[tuple[int, int]], rank: i
         "positions": [ctx.tensor_rank, ctx.data_rank, ctx.pipeline_rank],
         "sizes": [ctx.tensor_size, ctx.data_size, ctx.pipeline_size],
         "stages": [ctx.is_first_stage, ctx.is_last_stage], "world": ctx.world_size, "rank": ctx.rank,
-        "expert_layouts": len(ctx.expert_layouts), "experts": {},
+        "expert_groups": sorted(ctx.expert_groups), "experts": {},
     }
-    for count, size in dict.fromkeys(experts):
+    for count, size in lookups:
         layout = ctx.expert_parallel(count, size)
         out["experts"][f"{count}/{size}"] = {
             "all_to_all": members(layout.group, rank, world), "replicas": members(layout.replica_group, rank, world),
             "first": layout.first_expert, "local": layout.local_experts, "size": layout.world,
         }
     try:
-        ctx.expert_parallel(8, 0)
+        ctx.expert_parallel(4, 0)
         out["unbuilt"] = ""
     except TsConfigError as e:
         out["unbuilt"] = str(e)
@@ -67,7 +70,7 @@ def main() -> None:
     rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    mine = {name: findings(t, p, experts, rank, world) for name, (t, p, experts) in CASES.items()}
+    mine = {name: findings(*case, rank, world) for name, case in CASES.items()}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

@@ -118,7 +118,7 @@ def check(spec: dict, mode: str, ref: dict) -> dict:
         else:
             router = max(router, err(p.grad, mine["grads"][name]))
     errors.update(expert_weights=weights, expert_grads=grads, router_grads=router)
-    _, expert_sq = squared_norm_parts(layer.parameters(), current_parallel_context().tensor_group)
+    _, expert_sq = squared_norm_parts(layer.parameters(), current_parallel_context())
     reference_sq = sum(float(g.double().pow(2).sum()) for g in ref["expert_grads"].values())
     errors["expert_norm_rel"] = abs(float(expert_sq) - reference_sq) / reference_sq
     recorded = layout(layer)
@@ -176,7 +176,7 @@ def main() -> None:
     rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    set_parallel_context(build_parallel_context(TP, experts=[(EXPERTS, 0)]))
+    set_parallel_context(build_parallel_context(TP))
     model_parallel_seed(9, current_parallel_context().tensor_rank, TP)
     results: dict = {}
     for name, spec in CONFIGS.items():

@@ -1,16 +1,29 @@
 """The parallel context: the rank layout of every group against an independent enumeration and
 Megatron-core's construction loops (tensor fastest, then data, then pipeline), its one-line
 errors, the single-process context, the expert-layout lookup, and on 4 gloo ranks the groups
-the building function creates (``T = 2 x P = 2``, ``P = 4``, experts over ``D = 4``), their
-members found by an all-reduce inside each group."""
+the building function creates (``T = 2 x P = 2``, ``P = 4``, experts over ``D = 4`` at every
+expert-parallel size or one), their members found by an all-reduce inside each group."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from mp_helpers import run_worker_ranks
+from cleared_context_cli import CLEARED
+from mp_helpers import (
+    USER_DIR,
+    dist_flags,
+    fairseq_ranks,
+    launch,
+    make_corpora,
+    relative_close,
+    run_worker_ranks,
+    train_records,
+    wait_all,
+)
 
+from tests.rendezvous import rendezvous_url
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel import parallel_context
 from torchscale_fairseq.model_parallel.parallel_context import (
@@ -22,6 +35,7 @@ from torchscale_fairseq.model_parallel.parallel_context import (
 )
 
 WORKER = Path(__file__).resolve().parent / "context_worker.py"
+CLEARED_CLI = Path(__file__).resolve().parent / "cleared_context_cli.py"
 SIZES = [(1, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1), (4, 1, 2), (8, 2, 2), (8, 1, 4), (12, 3, 2), (16, 2, 4), (6, 1, 3)]
 
 
@@ -94,11 +108,11 @@ def test_single_process_context():
     assert (layout.local_experts, layout.first_expert, layout.group) == (8, 0, None)
 
 
-def test_unbuilt_expert_layout_is_one_line():
+def test_unbuilt_expert_groups_are_one_line():
     two_data_ranks = ParallelContext(2, 1, (1,), (0, 1), (1,), (1,))
     assert two_data_ranks.data_rank == 1
-    with pytest.raises(TsConfigError, match=r"^the model asks for 4 experts at --moe-expert-parallel-size 0 but .*"
-                                            r"\(none\): pass the model's MoE configuration") as e:
+    with pytest.raises(TsConfigError, match=r"^the parallel context holds no expert-parallel groups of size 2 "
+                                            r"\(built: none\): build it with .*including 2") as e:
         two_data_ranks.expert_parallel(4)
     assert "\n" not in str(e.value)
 
@@ -147,10 +161,11 @@ def test_embedding_groups_join_first_and_last_stage(ranks):
 
 
 def test_expert_groups_are_built_with_the_context(ranks):
-    assert all(r["t2p2"]["expert_layouts"] == 0 for r in ranks)  # one data-parallel rank: all local
+    assert all(r["t2p2"]["expert_groups"] == [] for r in ranks)  # one data-parallel rank: all local
     assert all(r["t2p2"]["experts"]["4/0"] == {"all_to_all": [rank], "replicas": [rank], "first": 0, "local": 4,
                                                "size": 1} for rank, r in enumerate(ranks))
-    assert all(r["experts"]["expert_layouts"] == 3 for r in ranks)
+    assert all(r["experts"]["expert_groups"] == [1, 2, 4] for r in ranks)  # every divisor of D = 4
+    assert all(r["experts_a2"]["expert_groups"] == [2] for r in ranks)
     for rank, r in enumerate(ranks):
         experts = r["experts"]["experts"]
         # 4 experts over 4 data-parallel ranks: one each, one all-to-all group, no replicas
@@ -162,5 +177,55 @@ def test_expert_groups_are_built_with_the_context(ranks):
                                   "local": 1, "size": 2}
         assert experts["4/2"] == {"all_to_all": pair, "replicas": [rank % 2, rank % 2 + 2], "first": 2 * (rank % 2),
                                   "local": 2, "size": 2}
-        assert r["experts"]["unbuilt"].startswith("the model asks for 8 experts at --moe-expert-parallel-size 0")
-        assert r["t2p2"]["unbuilt"] == ""  # one data-parallel rank: every layout is local
+        # size 1: every expert on every rank, all four ranks replicas
+        assert experts["4/1"] == {"all_to_all": [rank], "replicas": [0, 1, 2, 3], "first": 0, "local": 4, "size": 1}
+        # the groups depend on the size alone: 4 experts at size 2 and 2 experts at size 2 share them
+        assert r["experts_a2"]["experts"]["4/2"] == experts["4/2"]
+        assert r["experts_a2"]["experts"]["2/0"] == experts["2/0"]
+        assert r["experts"]["unbuilt"] == r["t2p2"]["unbuilt"] == ""  # every size built / one data-parallel rank
+        assert r["experts_a2"]["unbuilt"].startswith("the parallel context holds no expert-parallel groups of size 4 "
+                                                      "(built: 2)")
+
+
+UPDATES = 2
+# a 4-layer Magneto ts_lm with X-MoE in layers 2 and 4, SparseClip and the z-loss; "all" keeps both
+# experts of every token, so routing draws nothing that --update-freq would advance
+TRAIN = ["--task", "language_modeling", "--arch", "ts_lm_tiny", "--decoder-layers", "4", "--decoder-embed-dim", "64",
+         "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4", "--tokens-per-sample", "32",
+         "--batch-size", "4", "--max-update", str(UPDATES), "--lr", "1e-3", "--clip-norm", "0.5", "--dropout", "0",
+         "--log-format", "json", "--log-interval", "1", "--no-save", "--ddp-backend", "legacy_ddp", "--seed", "3",
+         "--validate-interval-updates", "2", "--max-valid-steps", "4", "--moe-expert-count", "4", "--moe-freq", "2",
+         "--moe-second-expert-policy", "all", "--optimizer", "sparse_clip", "--sparse-clip-base", "adam",
+         "--moe-z-loss-wt", "0.001", "--criterion", "moe_cross_entropy"]
+TP2_PP2_DP2 = ["--model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--update-freq", "4"]
+KEYS = ("loss", "gnorm", "moe_gate_loss", "moe_z_loss", "moe_cv_dec1", "moe_cv_dec3", "moe_drop", "gnorm_dense",
+        "gnorm_expert")
+
+
+def test_tp_pp_ep_training_needs_no_module_global(tmp_path):
+    """fairseq-train at TP = 2 x PP = 2 x DP = 2 (8 gloo ranks, the experts spread over the two
+    data-parallel ranks and split over the tensor-parallel pair) with the module global cleared once
+    the trainer is built trains and validates like one process accumulating both pipelines' batches
+    (``--update-freq 8``): every step, the gradient norm, the expert sync and validation find their
+    groups in what the factories kept."""
+    lm_bin, _ = make_corpora(tmp_path)
+    one_procs, one_logs = fairseq_ranks("fairseq-train", [str(lm_bin), *TRAIN, "--update-freq", "8"], 1,
+                                        tmp_path / "one", unrounded=True)
+    world, init_method = 8, rendezvous_url(tmp_path / "cleared")
+    logs = [tmp_path / "cleared" / f"rank{r}.log" for r in range(world)]
+    procs = [launch([sys.executable, str(CLEARED_CLI), "fairseq-train", str(lm_bin), *TRAIN, *TP2_PP2_DP2,
+                     "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, r, init_method)], logs[r])
+             for r in range(world)]
+    wait_all([*procs, *one_procs], [*logs, *one_logs], timeout=900)
+    assert all(CLEARED in log.read_text() for log in logs)
+    ours, theirs = train_records(logs[0]), train_records(one_logs[0])
+    assert len(ours) == len(theirs) == UPDATES
+    for update, (a, b) in enumerate(zip(ours, theirs), start=1):
+        for key in KEYS:
+            assert relative_close(float(a[key]), float(b[key]), 1e-5), f"update {update} {key}: {a[key]} vs {b[key]}"
+    valid = [line for line in logs[0].read_text().splitlines() if "valid_loss" in line]
+    valid_ref = [line for line in one_logs[0].read_text().splitlines() if "valid_loss" in line]
+    assert len(valid) == len(valid_ref) == 1
+    loss, loss_ref = (float(line[line.index("{"):].split('"valid_loss": "')[1].split('"')[0])
+                      for line in (valid[0], valid_ref[0]))
+    assert relative_close(loss, loss_ref, 1e-5), (loss, loss_ref)

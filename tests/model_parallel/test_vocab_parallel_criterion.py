@@ -9,6 +9,7 @@ from torch import nn
 
 from tests.model_utils import dictionary
 from torchscale_fairseq.criterions import vocab_parallel
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 
 
 class TinyDecoder(nn.Module):
@@ -51,8 +52,7 @@ def test_accuracy_reuses_the_cross_entropy_of_the_loss(monkeypatch):
     parallel_ce = vocab_parallel.vocab_parallel_cross_entropy
     monkeypatch.setattr(vocab_parallel, "vocab_parallel_cross_entropy",
                         lambda *args: calls.append(1) or parallel_ce(*args))
-    monkeypatch.setattr(vocab_parallel, "_tensor_parallel", lambda: True)
-    monkeypatch.setattr(vocab_parallel, "_tensor_group", lambda: None)
+    criterion.parallel = ParallelContext(2, 0, (0, 1), (0,), (0,), (0,))  # two tensor-parallel ranks, no group
     for _ in range(2):  # a second micro-batch: no stale reuse
         _, _, got = criterion(model, sample)
     assert len(calls) == 2, "one vocabulary-parallel cross-entropy per micro-batch"

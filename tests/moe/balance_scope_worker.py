@@ -34,7 +34,7 @@ def worker(rank: int, init_method: str) -> None:
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.layer import MoELayer
 
-    experts = build_parallel_context(1, experts=[(EXPERTS, 0)]).expert_parallel(EXPERTS)
+    experts = build_parallel_context(1).expert_parallel(EXPERTS)
     g = torch.Generator().manual_seed(5)
     inputs = [torch.randn(1, n, DIM, generator=g) * 3 for n in TOKENS]
     for scope in ("local", "global"):

@@ -124,7 +124,7 @@ def main() -> None:
     rank, world, tp, init_method, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    set_parallel_context(build_parallel_context(tp, experts=[(MOE["moe_expert_count"], 0)]))
+    set_parallel_context(build_parallel_context(tp))
     dictionary = model_utils.dictionary(40)
     results: dict = {"moe_layers": 2}
     for name in MODELS:

@@ -47,6 +47,7 @@ def worker(rank: int, world: int, init_method: str, out: str, data: str, extra: 
     from fairseq.logging import metrics
 
     from torchscale_fairseq.integration.trainer import TsTrainer
+    from torchscale_fairseq.model_parallel.attributes import expert_parallel_size, is_expert
 
     argv = [data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", *DEVICE_FLAGS,
             "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
@@ -99,9 +100,10 @@ def worker(rank: int, world: int, init_method: str, out: str, data: str, extra: 
     state = {}
     for name, p in model.named_parameters():
         t = p.detach().clone()
-        if getattr(p, "expert", False) and getattr(p, "expert_group", None) is not None:
-            parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(p.expert_group))]
-            torch.distributed.all_gather(parts, t.contiguous(), group=p.expert_group)
+        group = trainer.parallel.expert_groups_of(expert_parallel_size(p)).group if is_expert(p) else None
+        if group is not None:
+            parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(parts, t.contiguous(), group=group)
             t = torch.cat(parts)
         state[name] = t
     bias_spread = 0.0  # auxiliary-loss-free expert biases: the largest difference between two ranks' copies

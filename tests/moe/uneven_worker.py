@@ -21,7 +21,7 @@ def worker(rank: int, init_method: str) -> None:
     from torchscale_fairseq.modules.moe.config import MoEConfig
     from torchscale_fairseq.modules.moe.layer import MoELayer
 
-    experts = build_parallel_context(1, experts=[(4, 0)]).expert_parallel(4)
+    experts = build_parallel_context(1).expert_parallel(4)
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(expert_count=4, top_k=2, capacity_factor=1.0), FFNSpec(8, 16), parallel=experts)
     for length, all_pad in ((5 if rank == 0 else 13, False), (7, rank == 1)):

@@ -30,7 +30,7 @@ def _params(num_experts: int, seed: int = 0, copies: int = 1) -> list[torch.nn.P
     grads = [torch.randn(4, 3, generator=g) for _ in range(num_experts)]
     for grad in grads * copies:
         p = torch.nn.Parameter(torch.zeros(4, 3))
-        p.expert, p.expert_group = True, None
+        p.expert = True
         p.grad = grad.clone()
         experts.append(p)
     return dense + experts

@@ -55,10 +55,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.attributes import expert_group, is_expert
+from torchscale_fairseq.model_parallel.attributes import expert_parallel_size, is_expert
 from torchscale_fairseq.model_parallel.parallel_context import parallel_groups_layout
 from torchscale_fairseq.model_parallel.partition import layout
 
@@ -271,11 +270,10 @@ class CheckpointLayout:
 
 def expert_count(model: torch.nn.Module) -> int:
     """``E``: a rank's local experts (dimension 0 of an expert tensor) times the ranks of
-    its all-to-all group."""
+    its all-to-all group (the expert-parallel size the parameter is tagged with)."""
     for param in model.parameters():
         if is_expert(param):
-            group = expert_group(param)
-            return param.size(EXPERT_DIM) * (dist.get_world_size(group) if group is not None else 1)
+            return param.size(EXPERT_DIM) * expert_parallel_size(param)
     return 0
 
 

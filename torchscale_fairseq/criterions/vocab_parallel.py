@@ -8,7 +8,8 @@ model's vocabulary-sharded logits to
 :func:`~torchscale_fairseq.model_parallel.cross_entropy.vocab_parallel_cross_entropy`,
 so no rank ever holds ``b x s x V`` logits and only per-token scalars are exchanged.
 The losses equal the size-1 ones (label smoothing ``eps / (V - 1)`` over the real
-vocabulary, padded entries excluded).
+vocabulary, padded entries excluded). Each criterion keeps the run's parallel context, read once
+when fairseq builds it (:class:`ParallelCriterion`).
 """
 
 from __future__ import annotations
@@ -23,23 +24,35 @@ from torchscale_fairseq.model_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from torchscale_fairseq.model_parallel.layers import padded_vocab_size
-from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext, current_parallel_context
 
 
-def _tensor_parallel() -> bool:
-    return current_parallel_context().tensor_size > 1
+class ParallelCriterion:
+    """A criterion that keeps the run's parallel context (put it before the fairseq criterion class)."""
 
+    parallel: ParallelContext = ParallelContext.single_process()  # criteria built without build_criterion
 
-def _tensor_group():
-    """The tensor-parallel group the logits' vocabulary is split over."""
-    return current_parallel_context().tensor_group
+    @classmethod
+    def build_criterion(cls, cfg, task):
+        criterion = super().build_criterion(cfg, task)
+        criterion.parallel = current_parallel_context()
+        return criterion
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.parallel.tensor_size > 1
+
+    @property
+    def tensor_group(self):
+        """The tensor-parallel group the logits' vocabulary is split over."""
+        return self.parallel.tensor_group
 
 
 def _sum_or_keep(x: torch.Tensor, reduce: bool) -> torch.Tensor:
     return x.sum() if reduce else x
 
 
-class CrossEntropyCriterion(cross_entropy.CrossEntropyCriterion):
+class CrossEntropyCriterion(ParallelCriterion, cross_entropy.CrossEntropyCriterion):
     __doc__ = cross_entropy.CrossEntropyCriterion.__doc__
 
     def forward(self, model, sample, reduce=True):
@@ -60,17 +73,17 @@ class CrossEntropyCriterion(cross_entropy.CrossEntropyCriterion):
         return loss, sample_size, logging_output
 
     def compute_loss(self, model, net_output, sample, reduce=True):
-        if not _tensor_parallel():
+        if not self.tensor_parallel:
             return super().compute_loss(model, net_output, sample, reduce)
         logits = net_output[0]
         target = model.get_targets(sample, net_output)
-        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary), _tensor_group()).nll
+        nll = vocab_parallel_cross_entropy(logits, target, len(self.task.target_dictionary), self.tensor_group).nll
         nll = nll.masked_fill(target.eq(self.padding_idx), 0.0).view(-1)
         loss = _sum_or_keep(nll, reduce)
         return loss, loss
 
 
-class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoothedCrossEntropyCriterion):
+class LabelSmoothedCrossEntropyCriterion(ParallelCriterion, label_smoothed_cross_entropy.LabelSmoothedCrossEntropyCriterion):
     __doc__ = label_smoothed_cross_entropy.LabelSmoothedCrossEntropyCriterion.__doc__
 
     def _parallel_losses(self, model, net_output, sample):
@@ -92,11 +105,11 @@ class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoot
             target = target[:, self.ignore_prefix_size :]
         target = target.reshape(-1)
         vocab = len(self.task.target_dictionary)
-        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab, _tensor_group())
+        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), target, vocab, self.tensor_group)
         return losses, target, vocab
 
     def compute_loss(self, model, net_output, sample, reduce=True):
-        if not _tensor_parallel():
+        if not self.tensor_parallel:
             return super().compute_loss(model, net_output, sample, reduce)
         losses, target, vocab = self._parallel_losses(model, net_output, sample)
         if reduce:
@@ -107,18 +120,18 @@ class LabelSmoothedCrossEntropyCriterion(label_smoothed_cross_entropy.LabelSmoot
         return (1.0 - self.eps - eps_i) * nll + eps_i * smooth, nll
 
     def compute_accuracy(self, model, net_output, sample):
-        if not _tensor_parallel():
+        if not self.tensor_parallel:
             return super().compute_accuracy(model, net_output, sample)
         losses, target, _ = self._parallel_losses(model, net_output, sample)
         mask = target.ne(self.padding_idx)
         return torch.sum(losses.target_is_max.masked_select(mask)), torch.sum(mask)
 
 
-class MaskedLmLoss(masked_lm.MaskedLmLoss):
+class MaskedLmLoss(ParallelCriterion, masked_lm.MaskedLmLoss):
     __doc__ = masked_lm.MaskedLmLoss.__doc__
 
     def forward(self, model, sample, reduce=True):
-        if not _tensor_parallel():
+        if not self.tensor_parallel:
             return super().forward(model, sample, reduce)
         masked_tokens = sample["target"].ne(self.padding_idx)
         sample_size = masked_tokens.int().sum()
@@ -126,7 +139,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
             masked_tokens = None
         logits = model(**sample["net_input"], masked_tokens=masked_tokens, vocab_parallel_logits=True)[0]
         vocab = len(self.task.source_dictionary)
-        n = current_parallel_context().tensor_size
+        n = self.parallel.tensor_size
         if logits.size(-1) != padded_vocab_size(vocab, n) // n:
             raise TsConfigError(
                 "masked_lm at --model-parallel-size > 1 needs a model that returns vocabulary-parallel "
@@ -136,7 +149,7 @@ class MaskedLmLoss(masked_lm.MaskedLmLoss):
         if masked_tokens is not None:
             targets = targets[masked_tokens]
         targets = targets.reshape(-1)
-        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab, _tensor_group()).nll
+        nll = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets, vocab, self.tensor_group).nll
         loss = nll.masked_fill(targets.eq(self.padding_idx), 0.0).sum()
         logging_output = {
             "loss": loss.data,

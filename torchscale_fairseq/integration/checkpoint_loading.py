@@ -10,6 +10,11 @@
   uses another number of them (e.g. one shard given to a single-process
   ``fairseq-eval-lm``) name the consolidation tool (the checks of
   :mod:`torchscale_fairseq.checkpoints.layout`).
+
+fairseq calls these functions without an object that could keep the run's parallel context, when
+it loads a model or resumes (a factory seam, like a model's build, never a training step), so they
+read the context the edge handed over
+(:func:`~torchscale_fairseq.model_parallel.parallel_context.current_parallel_context`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torchscale_fairseq.model_parallel.parallel_context import current_parallel_
 def _run_on_tensor_parallel_rank(stock_main, cfg, **kwargs):
     dt = cfg.distributed_training
     saved = (dt.distributed_world_size, dt.distributed_rank, cfg.common_eval.results_path)
-    parallel = current_parallel_context()
+    parallel = current_parallel_context()  # read once, at the tool's start (the edge just built it)
     quiet = parallel.tensor_rank > 0
     with open_dict(cfg):
         dt.distributed_world_size = parallel.data_size

@@ -5,12 +5,14 @@ Stock ``distributed_utils.distributed_init`` imports the Megatron submodule when
 ``cfg.common.model_parallel_size > 1``. Ours runs it with the size hidden, then, at every
 size, builds the run's groups once
 (:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`: tensor,
-data, pipeline (``--pipeline-model-parallel-size``) and the expert groups of the model's MoE
-flags) and makes
-them the current context; under tensor parallelism it also seeds the per-rank RNG stream and
-sets the checkpoint suffix ``-model_part-{tp_rank}`` (one checkpoint part per tensor-parallel
-rank). Without a GPU it uses gloo instead of the default NCCL, and ``--bf16`` without
-``torch_xla`` is not a TPU run (:mod:`.bf16_device`).
+data, pipeline (``--pipeline-model-parallel-size``) and the expert groups of
+``--moe-expert-parallel-size``, or of every divisor of the data-parallel size when it is 0, the
+default, whose size follows from the expert count) and hands them to fairseq's factories
+(:func:`~torchscale_fairseq.model_parallel.parallel_context.set_parallel_context`); under tensor
+parallelism it also seeds the per-rank RNG stream and sets the checkpoint suffix
+``-model_part-{tp_rank}`` (one checkpoint part per tensor-parallel rank). Without a GPU it uses
+gloo instead of the default NCCL, and ``--bf16`` without ``torch_xla`` is not a TPU run
+(:mod:`.bf16_device`).
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context, set_parallel_context
 from torchscale_fairseq.model_parallel.random import model_parallel_seed
-from torchscale_fairseq.modules.moe.config import moe_config_from_args
 
 STOCK_DISTRIBUTED_INIT = distributed_utils.distributed_init
 
 
-def expert_configurations(model_cfg: Any) -> list[tuple[int, int]]:
-    """The ``(--moe-expert-count, --moe-expert-parallel-size)`` the model will ask its context for:
-    none for a dense model, or where the model's flags come later, from the checkpoint (the
-    evaluation tools; there, on one data-parallel rank, every expert is local and needs no group)."""
-    moe = moe_config_from_args(model_cfg) if model_cfg is not None else None
-    return [] if moe is None else [(moe.expert_count, moe.expert_parallel_size)]
+def expert_parallel_sizes(model_cfg: Any, data_size: int) -> list[int] | None:
+    """The expert-parallel sizes the model may ask its context for: ``--moe-expert-parallel-size``
+    where it is given (and divides the data-parallel size; otherwise the model's build names the
+    mismatch), else ``None``: every divisor (the default size follows from the expert count, which
+    the evaluation tools learn only from the checkpoint)."""
+    size = (getattr(model_cfg, "moe_expert_parallel_size", 0) or 0) if model_cfg is not None else 0
+    if size <= 0:
+        return None
+    return [size] if data_size % size == 0 else []
 
 
 def distributed_init(cfg) -> int:
@@ -62,7 +66,8 @@ def distributed_init(cfg) -> int:
         return rank
     model_cfg = getattr(cfg, "model", None)
     pipeline_size = (getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1) if model_cfg is not None else 1
-    context = build_parallel_context(max(tp_size, 1), pipeline_size, experts=expert_configurations(model_cfg))
+    data_size = dist.get_world_size() // (max(tp_size, 1) * pipeline_size)
+    context = build_parallel_context(max(tp_size, 1), pipeline_size, expert_parallel_sizes(model_cfg, data_size))
     set_parallel_context(context)
     if tp_size > 1:
         model_parallel_seed(cfg.common.seed, context.tensor_rank, tp_size)

@@ -68,6 +68,7 @@ from torchscale_fairseq.criterions.fused_loss_check import check_fused_loss_run
 from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
+from torchscale_fairseq.integration.clip_grad_norm import use_parallel_context
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.host_overhead import LazyLoggingOutput, no_gc_pause
 from torchscale_fairseq.integration.pipeline_step import ScheduledTask, check_pipeline_run, run_pipeline_schedule
@@ -119,9 +120,14 @@ def carry_parallel_attributes(optimizer: Any) -> None:
             copy_parallel_attributes(master, param)
 
 
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The fairseq optimizer inside fairseq's precision wrappers (the one whose ``clip_grad_norm`` they call)."""
+    return getattr(optimizer, "fp32_optimizer", None) or getattr(optimizer, "wrapped_optimizer", None) or optimizer
+
+
 def _sparse_clip(optimizer: Any) -> SparseClip | None:
     """The SparseClip optimizer inside fairseq's precision wrappers, if any."""
-    inner = getattr(optimizer, "fp32_optimizer", None) or getattr(optimizer, "wrapped_optimizer", None) or optimizer
+    inner = _inner_optimizer(optimizer)
     return inner if isinstance(inner, SparseClip) else None
 
 
@@ -136,7 +142,7 @@ class TsTrainer(Trainer):
     """fairseq's ``Trainer`` with the changes listed in the module docstring."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
-        self.parallel = current_parallel_context()  # the groups distributed_init built
+        self.parallel = current_parallel_context()  # the groups distributed_init built (read once, kept)
         if cfg.common.model_parallel_size > 1 and self.parallel.tensor_size != cfg.common.model_parallel_size:
             raise multi_process_error(cfg.common.model_parallel_size)
         check_foreign_flags(cfg.optimizer)
@@ -184,12 +190,11 @@ class TsTrainer(Trainer):
         """The wrapper's ``all_reduce_grads`` (called by every fairseq optimizer before
         clipping) also averages the expert gradients."""
         previous = getattr(wrapped, "all_reduce_grads", None)
-        size = self.data_parallel_world_size
 
         def all_reduce_grads() -> None:
             if previous is not None:
                 previous()
-            sync_expert_grads(self._model, size)
+            sync_expert_grads(self._model, self.parallel)
 
         object.__setattr__(wrapped, "all_reduce_grads", all_reduce_grads)
 
@@ -200,7 +205,8 @@ class TsTrainer(Trainer):
         whose flat fp32 master is copied with multi-tensor copies); with ``--zero-sharding os`` its state is sharded over the
         data-parallel group by :mod:`torchscale_fairseq.optim.zero` (fairseq's own branch,
         fairscale's ``OSS``, is kept out by hiding the flag from ``super()``), after the fp32
-        masters got their parameters' attributes: experts stay local, unsharded."""
+        masters got their parameters' attributes: experts stay local, unsharded. The optimizer's
+        gradient norm runs over the trainer's parallel context."""
         sharding = self.cfg.distributed_training.zero_sharding
         with open_dict(self.cfg):
             self.cfg.distributed_training.zero_sharding = "none"
@@ -211,6 +217,7 @@ class TsTrainer(Trainer):
             with open_dict(self.cfg):
                 self.cfg.distributed_training.zero_sharding = sharding
         carry_parallel_attributes(self._optimizer)
+        use_parallel_context(_inner_optimizer(self._optimizer), self.parallel)
         if sharding == "os":
             shard_optimizer_state(self._optimizer, self.data_parallel_process_group, is_expert,
                                   consolidate_to_all=self.is_expert_sharded)

@@ -1,16 +1,18 @@
 """Every attribute a parameter carries about how it is distributed, in one registry
 (Megatron-LM's ``_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS``), with the helpers that set, read
-and copy them.
+and copy them. Tags only: no process group (those are in the run's parallel context).
 
 - tensor parallelism: ``tensor_parallel_dim`` (split dimension, ``None`` = replicated),
   ``tensor_parallel_stride`` (independent blocks along it, e.g. 3 for fused Q/K/V),
   ``tensor_parallel_vocab`` (real vocabulary size of a padded vocabulary dimension);
 - sequence parallelism: ``sequence_parallel`` (a replicated parameter used on this rank's
   slice of the sequence only, whose gradient is summed over the tensor-parallel group);
-- expert parallelism: ``expert`` (ranks hold different experts under the same name),
-  ``expert_group`` (the ranks holding the *other* experts, for the gradient norm) and
-  ``expert_replica_group`` (the ranks holding a copy of the *same* experts, for gradient
-  averaging);
+- expert parallelism: ``expert`` (ranks hold different experts under the same name) and
+  ``expert_parallel_size`` (``A``, the all-to-all size its experts are spread over: the key of its
+  groups in the run's
+  :class:`~torchscale_fairseq.model_parallel.parallel_context.ParallelContext`, whose
+  ``expert_groups_of(A)`` gives the ranks holding the *other* experts, for the gradient norm, and
+  those holding a copy of the *same* experts, for gradient averaging);
 - pipeline parallelism: ``pipeline_tied`` (``"original"``: the first stage's input embedding,
   ``"copy"``: the last stage's copy of it, the tied output layer; their gradients are summed
   over the embedding group, and the gradient norm counts the original only).
@@ -28,8 +30,7 @@ TP_STRIDE = "tensor_parallel_stride"
 TP_VOCAB = "tensor_parallel_vocab"
 SEQUENCE_PARALLEL = "sequence_parallel"
 EXPERT = "expert"
-EXPERT_GROUP = "expert_group"
-EXPERT_REPLICA_GROUP = "expert_replica_group"
+EXPERT_PARALLEL_SIZE = "expert_parallel_size"
 PIPELINE_TIED = "pipeline_tied"
 
 PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
@@ -38,8 +39,7 @@ PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     TP_VOCAB: None,
     SEQUENCE_PARALLEL: False,
     EXPERT: False,
-    EXPERT_GROUP: None,
-    EXPERT_REPLICA_GROUP: None,
+    EXPERT_PARALLEL_SIZE: 1,
     PIPELINE_TIED: None,
 }
 
@@ -78,22 +78,19 @@ def is_sequence_parallel(param: Any) -> bool:
     return bool(getattr(param, SEQUENCE_PARALLEL, False))
 
 
-def mark_expert(param: torch.Tensor, expert_group: object | None, replica_group: object | None) -> None:
+def mark_expert(param: torch.Tensor, expert_parallel_size: int) -> None:
+    """Mark the experts of a rank, spread over all-to-all groups of ``expert_parallel_size`` ranks."""
     setattr(param, EXPERT, True)
-    setattr(param, EXPERT_GROUP, expert_group)
-    setattr(param, EXPERT_REPLICA_GROUP, replica_group)
+    setattr(param, EXPERT_PARALLEL_SIZE, expert_parallel_size)
 
 
 def is_expert(param: Any) -> bool:
     return bool(getattr(param, EXPERT, False))
 
 
-def expert_group(param: Any) -> object | None:
-    return getattr(param, EXPERT_GROUP, None)
-
-
-def expert_replica_group(param: Any) -> object | None:
-    return getattr(param, EXPERT_REPLICA_GROUP, None)
+def expert_parallel_size(param: Any) -> int:
+    """The all-to-all size an expert parameter's experts are spread over (1: all local)."""
+    return int(getattr(param, EXPERT_PARALLEL_SIZE, 1))
 
 
 def mark_pipeline_tied(param: torch.Tensor, role: str) -> None:

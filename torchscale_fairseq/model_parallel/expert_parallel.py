@@ -12,9 +12,12 @@ data-parallel size: ``A`` must divide ``W`` and ``E``), or by default:
 - ``E`` a multiple of ``W``: ``A = W``, no replicas;
 - ``W`` a multiple of ``E``: ``A = E``, one expert per rank.
 
-The groups are created once, with the other groups of the run, by
-:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`; the model
-builder only looks its layout up in the context.
+The groups depend on ``A`` alone (:class:`ExpertGroups`, one per size); ``E`` only decides which
+experts are local (:meth:`ExpertGroups.place`). They are created once, with the other groups of
+the run, by :func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`;
+the model builder looks its groups up in the context by ``A``, and so do the gradient norm, the
+expert gradient sync and the checkpoint record, from the size an expert parameter is tagged with
+(:func:`~torchscale_fairseq.model_parallel.attributes.mark_expert`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,26 @@ class ExpertParallel:
     group: object | None = None
     replica_group: object | None = None
     data_parallel_group: object | None = None
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel groups of all-to-all size ``size`` (``A``): ``rank`` its position
+    in its all-to-all ``group`` (``None`` when ``A = 1``), ``replica_group`` the ranks at the same
+    position of the other all-to-all groups (``None`` when ``A = W``)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object | None = None
+    replica_group: object | None = None
+    data_parallel_group: object | None = None
+
+    def place(self, num_experts: int) -> ExpertParallel:
+        """Where ``num_experts`` experts live: ``E / A`` per rank, position ``r`` holding experts
+        ``r E/A ... (r+1) E/A - 1`` (``A`` divides ``E``: :func:`expert_layout`)."""
+        local = num_experts // self.size
+        return ExpertParallel(num_experts, local, self.rank * local, self.size, self.rank, self.group,
+                              self.replica_group, self.data_parallel_group)
 
 
 def expert_layout(world: int, num_experts: int, expert_parallel_size: int = 0) -> tuple[int, int]:
@@ -66,32 +89,25 @@ def expert_layout(world: int, num_experts: int, expert_parallel_size: int = 0) -
     )
 
 
-def all_local(num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
-    """The layout on one data-parallel rank: every expert local, no group (the flag still checked)."""
-    expert_layout(1, num_experts, expert_parallel_size)
-    return ExpertParallel(num_experts, num_experts, 0)
-
-
-def build_expert_parallel(data_layout: list[list[int]], rank: int, data_group: object | None, num_experts: int,
-                          expert_parallel_size: int = 0) -> ExpertParallel:
-    """This rank's layout for ``num_experts``, creating the all-to-all and replica groups of every
-    data-parallel group in ``data_layout`` (a collective: every rank calls it with the same
-    arguments, ``data_group`` its own data-parallel group)."""
-    size = len(data_layout[0])
-    a2a_size, local = expert_layout(size, num_experts, expert_parallel_size)
-    result = None
+def build_expert_groups(data_layout: list[list[int]], rank: int, data_group: object | None,
+                        size: int) -> ExpertGroups:
+    """This rank's groups of all-to-all size ``size``, creating the all-to-all and replica groups of
+    every data-parallel group in ``data_layout`` (a collective: every rank calls it with the same
+    arguments, ``data_group`` its own data-parallel group, reused where a group spans it)."""
+    world = len(data_layout[0])
+    if size < 1 or world % size:
+        raise TsConfigError(f"expert-parallel size {size} does not divide the {world} data-parallel rank(s): use a "
+                            f"divisor of {world}")
+    result = ExpertGroups(size)
     for dp_ranks in data_layout:
-        blocks = [dp_ranks[i: i + a2a_size] for i in range(0, size, a2a_size)]
-        a2a_groups = [dist.new_group(b) if len(blocks) > 1 else None for b in blocks]
-        replica_sets = [dp_ranks[j::a2a_size] for j in range(a2a_size)]
-        replica_groups = [dist.new_group(r) if len(r) > 1 else None for r in replica_sets]
+        blocks = [dp_ranks[i: i + size] for i in range(0, world, size)]
+        replica_sets = [dp_ranks[j::size] for j in range(size)]
+        a2a_groups = [dist.new_group(b) if 1 < size < world else None for b in blocks]
+        replica_groups = [dist.new_group(r) if 1 < len(r) < world else None for r in replica_sets]
         if rank not in dp_ranks:
             continue
-        pos = dp_ranks.index(rank)
-        block, a2a_rank = divmod(pos, a2a_size)
-        a2a_group = a2a_groups[block] if len(blocks) > 1 else data_group
-        result = ExpertParallel(
-            num_experts, local, a2a_rank * local, a2a_size, a2a_rank,
-            a2a_group if a2a_size > 1 else None, replica_groups[a2a_rank], data_group,
-        )
+        block, a2a_rank = divmod(dp_ranks.index(rank), size)
+        a2a_group = data_group if size == world else a2a_groups[block]
+        replica_group = data_group if size == 1 else replica_groups[a2a_rank]
+        result = ExpertGroups(size, a2a_rank, a2a_group if size > 1 else None, replica_group, data_group)
     return result

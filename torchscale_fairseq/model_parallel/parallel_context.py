@@ -13,12 +13,18 @@ pipeline joins its first and last stage (``P > 1``; at ``P = 1`` it is the rank 
 (:mod:`.expert_parallel`), their groups created here too.
 
 :func:`build_parallel_context` creates every group (``dist.new_group`` is collective over the
-world: every rank calls it with the same arguments, in the same order); the edge
-(:mod:`torchscale_fairseq.integration.tensor_parallel_init`) keeps the result as the current
-context (:func:`set_parallel_context`, :func:`current_parallel_context`,
-:func:`destroy_parallel_context`); the model gets it in its
-:class:`~torchscale_fairseq.architecture.config.StackConfig` and collectives get their group as
-an argument. A group of one is ``None``.
+world: every rank calls it with the same arguments, in the same order), the expert groups for
+the expert-parallel sizes asked for (every divisor of ``D`` unless given): they depend on the size
+alone, so the edge needs no MoE flag but ``--moe-expert-parallel-size``.
+
+Where the context reaches the code: the edge
+(:mod:`torchscale_fairseq.integration.tensor_parallel_init`) hands it over through
+:func:`set_parallel_context`; fairseq's factories read it once with
+:func:`current_parallel_context` (the model's ``build_model`` into its
+:class:`~torchscale_fairseq.architecture.config.StackConfig`, the criterion's ``build_criterion``,
+the streaming task's construction, the trainer's ``__init__``) and keep it; everything later gets
+it, or its groups, as an argument (the trainer gives it to the optimizer's gradient norm). No step
+reads the module global. A group of one is ``None``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.expert_parallel import ExpertParallel, all_local, build_expert_parallel
+from torchscale_fairseq.model_parallel.expert_parallel import (
+    ExpertGroups,
+    ExpertParallel,
+    build_expert_groups,
+    expert_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,9 @@ def parallel_groups_layout(world_size: int, tensor_size: int, pipeline_size: int
 class ParallelContext:
     """This rank's place in every group (``*_ranks``: the global ranks of its group, in group
     order; ``*_group``: the process group, ``None`` for a group of one; ``embedding_ranks`` is
-    empty on a middle pipeline stage) and the expert layouts the context was built for, keyed by
-    ``(expert count, --moe-expert-parallel-size)``."""
+    empty on a middle pipeline stage) and the expert groups the context was built with, keyed by
+    their all-to-all size ``A`` (an expert parameter's tag,
+    :func:`~torchscale_fairseq.model_parallel.attributes.expert_parallel_size`)."""
 
     world_size: int
     rank: int
@@ -85,7 +97,7 @@ class ParallelContext:
     data_group: dist.ProcessGroup | None = None
     pipeline_group: dist.ProcessGroup | None = None
     embedding_group: dist.ProcessGroup | None = None
-    expert_layouts: Mapping[tuple[int, int], ExpertParallel] = field(default_factory=dict)
+    expert_groups: Mapping[int, ExpertGroups] = field(default_factory=dict)
 
     @classmethod
     def single_process(cls) -> ParallelContext:
@@ -128,20 +140,25 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pipeline_rank == self.pipeline_size - 1
 
-    def expert_parallel(self, num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
-        """The layout of ``num_experts`` experts; on one data-parallel rank every expert is local
-        (no group needed), otherwise it must be one the context was built with."""
-        if self.data_size == 1:
-            return all_local(num_experts, expert_parallel_size)
-        key = (num_experts, expert_parallel_size)
-        if key not in self.expert_layouts:
-            built = ", ".join(f"{e} experts / size {a}" for e, a in self.expert_layouts) or "none"
+    def expert_groups_of(self, size: int) -> ExpertGroups:
+        """The expert groups of all-to-all size ``size``; on one data-parallel rank size 1 (every
+        expert local, no group), otherwise groups the context was built with."""
+        if self.data_size == 1 and size == 1:
+            return ExpertGroups()
+        if size not in self.expert_groups:
+            built = ", ".join(str(a) for a in sorted(self.expert_groups)) or "none"
             raise TsConfigError(
-                f"the model asks for {num_experts} experts at --moe-expert-parallel-size {expert_parallel_size} but "
-                f"the parallel context holds only the expert layouts it was built with ({built}): pass the model's "
-                "MoE configuration to build_parallel_context"
+                f"the parallel context holds no expert-parallel groups of size {size} (built: {built}): build it "
+                f"with build_parallel_context(..., expert_parallel_sizes) including {size} (fairseq's distributed_init "
+                "builds --moe-expert-parallel-size, or every divisor of the data-parallel size when it is 0)"
             )
-        return self.expert_layouts[key]
+        return self.expert_groups[size]
+
+    def expert_parallel(self, num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
+        """Where ``num_experts`` experts live at ``--moe-expert-parallel-size`` ``expert_parallel_size``
+        (0: the default size, :func:`~torchscale_fairseq.model_parallel.expert_parallel.expert_layout`)."""
+        size, _ = expert_layout(self.data_size, num_experts, expert_parallel_size)
+        return self.expert_groups_of(size).place(num_experts)
 
 
 def _create_groups(layout: list[list[int]], rank: int) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
@@ -156,37 +173,45 @@ def _create_groups(layout: list[list[int]], rank: int) -> tuple[tuple[int, ...],
     return mine, group
 
 
+def divisors(n: int) -> list[int]:
+    """Every ``a`` in ``1 ... n`` that divides ``n``."""
+    return [a for a in range(1, n + 1) if n % a == 0]
+
+
 def build_parallel_context(tensor_size: int, pipeline_size: int = 1,
-                           experts: Iterable[tuple[int, int]] = ()) -> ParallelContext:
+                           expert_parallel_sizes: Iterable[int] | None = None) -> ParallelContext:
     """Create every group of the run after ``init_process_group``; every rank calls it with the same
-    arguments. ``experts``: the ``(expert count, --moe-expert-parallel-size)`` pairs the model will
-    ask for (:meth:`ParallelContext.expert_parallel`)."""
+    arguments. ``expert_parallel_sizes``: the all-to-all sizes ``A`` the model may ask for
+    (``None``: every divisor of the data-parallel size; none on one data-parallel rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = parallel_groups_layout(world, tensor_size, pipeline_size)
     tensor_ranks, tensor_group = _create_groups(layout.tensor, rank)
     data_ranks, data_group = _create_groups(layout.data, rank)
     pipeline_ranks, pipeline_group = _create_groups(layout.pipeline, rank)
     embedding_ranks, embedding_group = _create_groups(layout.embedding, rank)
-    expert_layouts = {}
-    if len(data_ranks) > 1:
-        for num_experts, size in dict.fromkeys((int(e), int(a)) for e, a in experts):
-            expert_layouts[num_experts, size] = build_expert_parallel(layout.data, rank, data_group, num_experts, size)
+    data_size = len(data_ranks)
+    sizes = divisors(data_size) if expert_parallel_sizes is None else expert_parallel_sizes
+    expert_groups = {}
+    if data_size > 1:
+        for size in dict.fromkeys(int(a) for a in sizes):
+            expert_groups[size] = build_expert_groups(layout.data, rank, data_group, size)
     return ParallelContext(world, rank, tensor_ranks, data_ranks, pipeline_ranks, embedding_ranks, tensor_group,
-                           data_group, pipeline_group, embedding_group, expert_layouts)
+                           data_group, pipeline_group, embedding_group, expert_groups)
 
 
 _CURRENT: ParallelContext | None = None
 
 
 def set_parallel_context(context: ParallelContext) -> None:
-    """Make ``context`` the current one (at the edge, after :func:`build_parallel_context`)."""
+    """Hand ``context`` to fairseq's factories (at the edge, after :func:`build_parallel_context`)."""
     global _CURRENT
     _CURRENT = context
 
 
 def current_parallel_context() -> ParallelContext:
-    """The context set at the edge; the single-process one where none was set and no process group
-    of several ranks exists (a process group of several ranks without a context: one-line error)."""
+    """The context set at the edge, for a factory to keep (never read on the step path); the
+    single-process one where none was set and no process group of several ranks exists (a process
+    group of several ranks without a context: one-line error)."""
     if _CURRENT is not None:
         return _CURRENT
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

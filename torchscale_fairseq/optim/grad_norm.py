@@ -3,9 +3,9 @@
 - tensor-parallel shards (parameters with ``tensor_parallel_dim``) are summed over the
   tensor-parallel group; replicated parameters (LayerNorms, row-parallel biases) are
   identical on every tensor-parallel rank and counted once;
-- expert parameters are summed over their ``expert_group``, the ranks that hold
-  *different* experts (``None``: all experts are local; attributes in
-  :mod:`torchscale_fairseq.model_parallel.attributes`), and split experts' shards
+- expert parameters are summed over their all-to-all group, the ranks that hold *different*
+  experts (the context's expert groups of the size the parameter is tagged with; size 1: all
+  experts local; tags in :mod:`torchscale_fairseq.model_parallel.attributes`), and split experts' shards
   (expert parameters with ``tensor_parallel_dim``) also over the tensor-parallel group;
   whole experts are replicated on the tensor-parallel ranks and counted once;
 - under pipeline parallelism both parts are summed over the pipeline group (each stage holds
@@ -14,6 +14,8 @@
 - the expert part may be down-weighted by ``kappa`` (SparseClip: ``1/sqrt(E)``):
   ``||g|| = ||(g_d, kappa * g_s)||_2``.
 
+Every group comes from the run's
+:class:`~torchscale_fairseq.model_parallel.parallel_context.ParallelContext`, given as an argument.
 Unlike ``fairseq.utils.clip_grad_norm_`` (which leaves expert gradients out of the norm
 and, with model parallelism, adds replicated parameters once per rank).
 
@@ -27,18 +29,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
 
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import (
     PARALLEL_ATTRIBUTE_DEFAULTS,
-    expert_group,
+    expert_parallel_size,
     is_expert,
     pipeline_tied_role,
     sharded_dim,
 )
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.model_parallel.process_groups import group_size
 
 FLAT_MASTER_SOURCES = "ts_flat_sources"
@@ -82,18 +86,18 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object] = None,
-                       pipeline_group: Optional[object] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def squared_norm_parts(params: Iterable[torch.Tensor], parallel: ParallelContext) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(||g_d||^2, ||g_s||^2)`` over the whole model, every gradient counted once
-    (shards of ``tensor_parallel_dim`` parameters summed over ``tp_group``, stages over
-    ``pipeline_group``)."""
+    (shards of ``tensor_parallel_dim`` parameters summed over ``parallel``'s tensor-parallel group,
+    experts over their all-to-all group, stages over the pipeline group)."""
+    tp_group, pipeline_group = parallel.tensor_group, parallel.pipeline_group
     sharded, replicated = [], []
-    experts: Dict[Tuple[Optional[object], bool], list] = {}
+    experts: dict[tuple[int, bool], list] = {}
     for p in params:
         if p is None or p.grad is None or pipeline_tied_role(p) == "copy":
             continue
         if is_expert(p):
-            experts.setdefault((expert_group(p), sharded_dim(p) is not None), []).append(p.grad)
+            experts.setdefault((expert_parallel_size(p), sharded_dim(p) is not None), []).append(p.grad)
         elif sharded_dim(p) is not None:
             sharded.append(p.grad)
         else:
@@ -103,8 +107,9 @@ def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object
         dense_sharded = _all_reduce(dense_sharded, tp_group)
     dense = dense_sharded + _sq(replicated)
     expert = torch.zeros((), dtype=torch.float32)
-    for (group, split), grads in experts.items():
+    for (size, split), grads in experts.items():
         part = _sq(grads)
+        group = parallel.expert_groups_of(size).group
         if group is not None:
             part = _all_reduce(part, group)
         if split and group_size(tp_group) > 1:
@@ -115,21 +120,27 @@ def squared_norm_parts(params: Iterable[torch.Tensor], tp_group: Optional[object
     return dense, expert
 
 
-def grad_norm(params: Iterable[torch.Tensor], kappa: float = 1.0, tp_group: Optional[object] = None,
-              pipeline_group: Optional[object] = None) -> GradNorm:
-    """``||(g_d, kappa g_s)||_2`` with its dense and expert parts."""
-    dense_sq, expert_sq = squared_norm_parts(params, tp_group, pipeline_group)
+def grad_norm(params: Iterable[torch.Tensor], parallel: ParallelContext, kappa: float = 1.0) -> GradNorm:
+    """``||(g_d, kappa g_s)||_2`` with its dense and expert parts, over ``parallel``'s groups."""
+    dense_sq, expert_sq = squared_norm_parts(params, parallel)
     return GradNorm(dense_sq.sqrt(), expert_sq.sqrt(), (dense_sq + kappa**2 * expert_sq).sqrt())
 
 
 def norm_and_clip_(
-    params: list[Any], max_norm: float, kappa: float = 1.0, tp_group: Optional[object] = None, aggregate_norm_fn=None,
-    pipeline_group: Optional[object] = None,
+    params: list[Any], max_norm: float, parallel: ParallelContext | None, kappa: float = 1.0, aggregate_norm_fn=None,
 ) -> Tuple[GradNorm, torch.Tensor]:
     """The norm of the gradients of ``params`` (all with a gradient; flat fp16 masters split
-    into their sources) and the total, aggregated by ``aggregate_norm_fn`` if given, on the
-    gradients' device; clips them when ``max_norm > 0``."""
-    norm = grad_norm(list(flat_master_views(params)), kappa, tp_group, pipeline_group)
+    into their sources) over ``parallel``'s groups (``None``: one process; a one-line error in a run
+    of several) and the total, aggregated by ``aggregate_norm_fn`` if given, on the gradients'
+    device; clips them when ``max_norm > 0``."""
+    if parallel is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise TsConfigError(
+                f"the gradient norm of a {dist.get_world_size()}-rank run needs the run's parallel context: train with "
+                "the plugin's trainer (fairseq-train --user-dir torchscale_fairseq), which gives it to the optimizer"
+            )
+        parallel = ParallelContext.single_process()
+    norm = grad_norm(list(flat_master_views(params)), parallel, kappa)
     total = norm.total.to(params[0].grad.device)
     if aggregate_norm_fn is not None:
         total = aggregate_norm_fn(total)

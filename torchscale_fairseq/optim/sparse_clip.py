@@ -5,7 +5,8 @@ registered fairseq optimizer (``--sparse-clip-base``, default ``adam``, with its
     g <- xi / max(xi, ||g||) * g       for all gradients, xi = --clip-norm
 
 The norm comes from :func:`torchscale_fairseq.optim.grad_norm.grad_norm` (every gradient
-counted once under data, expert and tensor parallelism). Unlike the paper's public
+counted once under data, expert and tensor parallelism) over the groups of ``parallel``, the
+run's context the trainer gives it. Unlike the paper's public
 sample code, kappa is ``1/sqrt(E)`` (not ``1/sqrt(max(world, E))``) and the real expert
 gradients are clipped (not a detached copy). Without experts it is vanilla clipping.
 
@@ -44,7 +45,7 @@ from fairseq.optim import (
 from omegaconf import OmegaConf, open_dict
 
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.optim.grad_norm import GradNorm, norm_and_clip_
 
 NAME = "sparse_clip"
@@ -148,6 +149,7 @@ class SparseClip(FairseqOptimizer):
         self._optimizer = self.base.optimizer
         self.kappa = sparse_clip_kappa(getattr(args, "moe_expert_count", 0) or 0, args.sparse_clip_kappa)
         self.last_norm: GradNorm | None = None
+        self.parallel: ParallelContext | None = None  # the run's, given by the trainer (None: one process)
 
     @classmethod
     def add_args(cls, parser) -> None:
@@ -202,7 +204,5 @@ class SparseClip(FairseqOptimizer):
         if not params:
             self.last_norm = None
             return torch.tensor(0.0)
-        parallel = current_parallel_context()
-        self.last_norm, total = norm_and_clip_(params, max_norm, self.kappa, parallel.tensor_group, aggregate_norm_fn,
-                                               parallel.pipeline_group)
+        self.last_norm, total = norm_and_clip_(params, max_norm, self.parallel, self.kappa, aggregate_norm_fn)
         return total

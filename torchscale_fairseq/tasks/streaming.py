@@ -4,7 +4,7 @@ stream, and held-out splits read once through fairseq's usual batch iterator.
 ``DATA`` holds ``json/train.json`` and ``json/valid.json`` (see
 :mod:`torchscale_fairseq.data.stream_index`); an epoch is ``--batches-per-epoch`` batches
 of ``--batch-size`` blocks. A task supplies its tokenizer check, its training stream and
-its held-out dataset.
+its held-out dataset. The task keeps the run's parallel context, read once when it is built.
 """
 
 from dataclasses import field
@@ -39,6 +39,10 @@ class StreamingTask:
 
     name = "streaming"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parallel = current_parallel_context()
+
     @property
     def options(self):
         """The task's options (``args`` of a legacy fairseq task, ``cfg`` of a dataclass one)."""
@@ -72,7 +76,7 @@ class StreamingTask:
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, num_workers=0, epoch=1, **kwargs):
         """The resumable stream iterator for training, fairseq's own for held-out splits."""
-        parallel = current_parallel_context()
+        parallel = self.parallel
         dp_rank, dp_size = parallel.data_rank, parallel.data_size
         if not isinstance(dataset, StreamSource):
             # every held-out block once: fairseq would drop a remainder that is not a multiple of 8

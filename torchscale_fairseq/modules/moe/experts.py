@@ -38,8 +38,9 @@ the input gradient) is the caller's, on the tokens before they are gathered into
 activations draws from the tracker's per-rank stream, as the dense FFN does.
 
 Expert parameters are marked with
-:func:`~torchscale_fairseq.model_parallel.attributes.mark_expert` (their groups for the
-gradient norm and for gradient averaging). Each expert is initialised from its own
+:func:`~torchscale_fairseq.model_parallel.attributes.mark_expert` (the expert-parallel size that
+finds their groups in the run's parallel context, for the gradient norm and for gradient
+averaging). Each expert is initialised from its own
 generator seeded with ``base + global expert id`` (``base`` drawn from the global RNG),
 so an expert gets the same initial weights whatever the number of ranks (a split expert
 draws its full weights and keeps its shard).
@@ -314,9 +315,10 @@ class GroupedExperts(nn.Module):
                 if p is not None:
                     mark_sharded(p, 1)
 
-    def set_groups(self, expert_group: object | None, replica_group: object | None) -> None:
+    def mark_expert_parallel(self, expert_parallel_size: int) -> None:
+        """Tag every parameter as experts spread over all-to-all groups of ``expert_parallel_size`` ranks."""
         for p in self.parameters():
-            mark_expert(p, expert_group, replica_group)
+            mark_expert(p, expert_parallel_size)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         """``rows`` (N, d) grouped by local expert, ``counts[e]`` rows for expert ``e``, then

@@ -162,7 +162,7 @@ class MoELayer(nn.Module):
         expert_spec = replace(spec, ffn_dim=cfg.expert_ffn_dim or spec.ffn_dim)
         self.experts = GroupedExperts(expert_spec, num_local=self.parallel.local_experts,
                                       first_expert=self.parallel.first_expert, tp_group=tp_group)
-        self.experts.set_groups(self.parallel.group, self.parallel.replica_group)
+        self.experts.mark_expert_parallel(self.parallel.world)
         self.shared_experts = None
         if cfg.shared_expert_count > 0:
             shared_spec = replace(expert_spec, ffn_dim=cfg.shared_expert_count * expert_spec.ffn_dim)
