@@ -1,5 +1,5 @@
-"""The installed ``fairseq.utils.clip_grad_norm_`` without tensor parallelism or experts is
-fairseq's own ``||g||_2`` (and clips the same way); expert gradients count; fp16 master
+"""The plugin's ``clip_grad_norm_`` (what the trainer's optimizer clips with) without tensor
+parallelism or experts is fairseq's own ``||g||_2`` (and clips the same way); expert gradients count; fp16 master
 copies keep the attributes the count-once norm needs."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from fairseq import utils
 from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 from torch import nn
 
-import torchscale_fairseq  # noqa: F401  (installs the patches)
 from torchscale_fairseq.integration import clip_grad_norm as grad_norm_clip
 from torchscale_fairseq.integration.trainer import carry_parallel_attributes
 from torchscale_fairseq.model_parallel.attributes import TP_DIM, TP_STRIDE, mark_sharded
@@ -26,15 +25,16 @@ def _model_with_grads(seed: int = 0) -> nn.Module:
     return model
 
 
-def test_patch_is_installed():
-    assert utils.clip_grad_norm_ is grad_norm_clip.clip_grad_norm_
+def test_fairseq_is_not_patched():
+    """The trainer hands its optimizer the context (``use_parallel_context``); fairseq's function stays stock."""
+    assert utils.clip_grad_norm_ is not grad_norm_clip.clip_grad_norm_
 
 
 def test_equals_stock_fairseq_without_tensor_parallelism():
     for max_norm in (0.0, 1e-3, 1e6):
         ours, stock = _model_with_grads(), _model_with_grads()
-        total = utils.clip_grad_norm_(list(ours.parameters()), max_norm)
-        expected = grad_norm_clip.STOCK_CLIP_GRAD_NORM(list(stock.parameters()), max_norm)
+        total = grad_norm_clip.clip_grad_norm_(list(ours.parameters()), max_norm)
+        expected = utils.clip_grad_norm_(list(stock.parameters()), max_norm)
         assert torch.allclose(total, expected, rtol=1e-6, atol=0), (total, expected)
         for a, b in zip(ours.parameters(), stock.parameters()):
             assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-9)
@@ -45,9 +45,9 @@ def test_expert_gradients_count():
     params = list(model.parameters())
     params[-1].expert = True
     dense = torch.cat([p.grad.flatten() for p in params[:-1]]).norm()
-    total = utils.clip_grad_norm_(params, 0.0)
+    total = grad_norm_clip.clip_grad_norm_(params, 0.0)
     assert torch.allclose(total, torch.cat([dense[None], params[-1].grad.flatten()]).norm())
-    assert not torch.allclose(total, grad_norm_clip.STOCK_CLIP_GRAD_NORM(params, 0.0))
+    assert not torch.allclose(total, utils.clip_grad_norm_(params, 0.0))
 
 
 def test_flat_fp16_master_is_split_back_into_parameters():
@@ -60,7 +60,7 @@ def test_flat_fp16_master_is_split_back_into_parameters():
     views = list(flat_master_views([flat]))
     assert [v.grad.numel() for v in views] == [p.numel() for p in params]
     assert getattr(views[0], TP_DIM) == 0 and not hasattr(views[1], TP_DIM)
-    assert torch.allclose(utils.clip_grad_norm_([flat], 0.0), flat.grad.norm())
+    assert torch.allclose(grad_norm_clip.clip_grad_norm_([flat], 0.0), flat.grad.norm())
 
 
 def test_unflattened_fp16_masters_keep_the_attributes():

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import (
     RECORD_KEY,
     PipelineRecord,
@@ -27,16 +26,18 @@ from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
 
 
-def rank_record(model: torch.nn.Module, parallel: ParallelContext, ep_size: int, ep_rank: int) -> dict:
-    """This rank's record (:func:`~.layout.describe`): tensor-parallel layout, expert shard, pipeline
-    stage (a stage's modules are named as one process's: no renaming), RNG tracker."""
+def rank_record(model: torch.nn.Module, parallel: ParallelContext, ep_size: int, ep_rank: int,
+                stack_names: tuple[str, tuple[str, str] | None] | None = None) -> dict:
+    """This rank's record (:func:`~.layout.describe`): tensor-parallel layout, expert shard, RNG
+    tracker and, for a model with a layer stack a pipeline splits (``model.pipeline_stack``), its
+    stage; ``stack_names``: the stack's prefix and tied pair (a stage's modules are named as one
+    process's: no renaming)."""
     pipeline = PipelineRecord()
     stack = getattr(model, "pipeline_stack", None)
-    if stack is not None:
-        prefix, tied = pipeline_names(model, stack)
+    if stack is not None and stack_names is not None:
         split = stack.split
         pipeline = PipelineRecord(parallel.pipeline_size, parallel.pipeline_rank, split.chunks,
-                                  split.counts if parallel.pipeline_size > 1 else None, prefix, tied)
+                                  split.counts if parallel.pipeline_size > 1 else None, *stack_names)
     return describe(model, parallel.tensor_size, parallel.tensor_rank, ep_size, ep_rank,
                     get_rng_tracker().state_dict(), pipeline)
 

@@ -1,27 +1,25 @@
-"""``fairseq.utils.clip_grad_norm_`` (called by every fairseq optimizer, the fp16/AMP
-wrappers included) computed with :func:`torchscale_fairseq.optim.grad_norm.grad_norm`:
-every gradient counted once (tensor-parallel shards summed over the tensor-parallel
-group, replicated parameters once, pipeline stages summed, expert gradients included, ``kappa = 1``). Without
-tensor parallelism and experts it is fairseq's ``||g||_2``. A flat fp16 master is split
-back into per-parameter views (the trainer gives it its sources).
+"""The gradient norm of every fairseq optimizer the trainer builds (the fp16/AMP wrappers call its
+``clip_grad_norm``), in place of ``fairseq.utils.clip_grad_norm_``, computed with
+:func:`torchscale_fairseq.optim.grad_norm.grad_norm`: every gradient counted once (tensor-parallel
+shards summed over the tensor-parallel group, replicated parameters once, pipeline stages summed,
+expert gradients included, ``kappa = 1``). Without tensor parallelism and experts it is fairseq's
+``||g||_2``. A flat fp16 master is split back into per-parameter views (the trainer gives it its
+sources).
 
 The groups are the run's parallel context, given as an argument: the trainer hands its context to
-the optimizer it builds (:func:`use_parallel_context`); called by fairseq with none, it is the
-one-process norm (a run of several processes without it is a one-line error)."""
+the optimizer it builds (:func:`use_parallel_context`); without one it is the one-process norm (a
+run of several processes without it is a one-line error)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-from fairseq import utils
 from fairseq.optim import FairseqOptimizer
 
 from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.optim.grad_norm import norm_and_clip_
 from torchscale_fairseq.optim.sparse_clip import SparseClip
-
-STOCK_CLIP_GRAD_NORM = utils.clip_grad_norm_
 
 
 @torch.no_grad()

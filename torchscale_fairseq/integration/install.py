@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from fairseq import checkpoint_utils, utils
+from fairseq import checkpoint_utils
 from fairseq.distributed import utils as distributed_utils
 
 from torchscale_fairseq.compat import apply_fairseq_fixes
@@ -18,7 +18,6 @@ from torchscale_fairseq.criterions import vocab_parallel
 from torchscale_fairseq.errors import install_excepthook
 from torchscale_fairseq.integration import (
     checkpoint_loading,
-    clip_grad_norm,
     eval_tools,
     tensor_parallel_init,
 )
@@ -42,8 +41,6 @@ REPLACED: list[tuple[str, str, str]] = [
      "compat: the batch prefetch thread, still collating at exit, aborts the process (bpo-42969)"),
     ("fairseq.distributed.utils", "distributed_init",
      "tensor parallelism: our groups and RNG streams instead of the Megatron submodule"),
-    ("fairseq.utils", "clip_grad_norm_",
-     "gradient norm with every gradient counted once under tensor and expert parallelism"),
     ("fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
      "one-line refusal of unreadable checkpoints and of parts saved at another tensor-parallel size"),
     ("fairseq.checkpoint_utils", "get_maybe_sharded_checkpoint_filename",
@@ -92,7 +89,6 @@ def install() -> None:
 
     apply_fairseq_fixes()
     distributed_utils.distributed_init = tensor_parallel_init.distributed_init
-    utils.clip_grad_norm_ = clip_grad_norm.clip_grad_norm_
     checkpoint_utils.load_checkpoint_to_cpu = checkpoint_loading.load_checkpoint_to_cpu
     checkpoint_utils.get_maybe_sharded_checkpoint_filename = checkpoint_loading.get_maybe_sharded_checkpoint_filename
     for module in _tool_modules(fairseq_cli.train.__name__):

@@ -7,8 +7,8 @@
   the ranks of one tensor-parallel group see identical batches;
 - under ``--sequence-parallel`` the gradients of the parameters used on a slice of the
   sequence are summed over the tensor-parallel group before the norm;
-- the gradient norm counts every gradient once (``utils.clip_grad_norm_`` is
-  :mod:`.clip_grad_norm`); fp32 master copies carry their parameters' attributes;
+- the gradient norm counts every gradient once (the optimizer's ``clip_grad_norm`` is
+  :mod:`.clip_grad_norm`'s, over the trainer's parallel context); fp32 master copies carry their parameters' attributes;
   SparseClip's dense and expert parts are logged on unscaled gradients;
 - ``--bf16`` trains on CUDA (or the CPU), not on a TPU (:mod:`.bf16_device`); ``--amp`` on
   the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
@@ -55,6 +55,7 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
+from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
 from torchscale_fairseq.checkpoints.rank_files import (
     check_ranks_resume_together,
@@ -364,8 +365,10 @@ class TsTrainer(Trainer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["extra_state"][RECORD_KEY] = rank_record(self.get_model(), self.parallel,
-                                                       *self.expert_parallel_size_and_rank)
+        model = self.get_model()
+        stack = getattr(model, "pipeline_stack", None)
+        names = pipeline_names(model, stack) if stack is not None else None
+        state["extra_state"][RECORD_KEY] = rank_record(model, self.parallel, *self.expert_parallel_size_and_rank, names)
         return state
 
     def save_checkpoint(self, filename: str, extra_state: dict):
