@@ -78,7 +78,7 @@ from torchscale_fairseq.model_parallel.attributes import copy_parallel_attribute
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
-from torchscale_fairseq.modules.moe.grad_sync import expert_parameter_names, sync_expert_grads
+from torchscale_fairseq.modules.moe.grad_sync import keep_experts_out_of_ddp, sync_experts_after
 from torchscale_fairseq.modules.moe.layer import discard_expert_loads, update_expert_biases
 from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
@@ -87,7 +87,6 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 
 logger = logging.getLogger(__name__)
 
-EXPERT_DDP_BACKENDS = ("c10d", "pytorch_ddp", "legacy_ddp", "no_c10d")
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
 
 
@@ -173,31 +172,12 @@ class TsTrainer(Trainer):
 
     @property
     def model(self):
-        if self._wrapped_model is None and self.use_distributed_wrapper:
-            experts = expert_parameter_names(self._model)
-            if experts:
-                backend = self.cfg.distributed_training.ddp_backend
-                if backend not in EXPERT_DDP_BACKENDS:
-                    raise TsConfigError(
-                        f"--ddp-backend {backend} cannot keep experts apart: use --ddp-backend c10d or legacy_ddp"
-                    )
-                self._model._ddp_params_and_buffers_to_ignore = experts
-                wrapped = super().model
-                self._sync_experts_after(wrapped)
-                return wrapped
+        if self._wrapped_model is None and self.use_distributed_wrapper and keep_experts_out_of_ddp(
+                self._model, self.cfg.distributed_training.ddp_backend):
+            wrapped = super().model
+            sync_experts_after(wrapped, self._model, self.parallel)
+            return wrapped
         return super().model
-
-    def _sync_experts_after(self, wrapped) -> None:
-        """The wrapper's ``all_reduce_grads`` (called by every fairseq optimizer before
-        clipping) also averages the expert gradients."""
-        previous = getattr(wrapped, "all_reduce_grads", None)
-
-        def all_reduce_grads() -> None:
-            if previous is not None:
-                previous()
-            sync_expert_grads(self._model, self.parallel)
-
-        object.__setattr__(wrapped, "all_reduce_grads", all_reduce_grads)
 
     # optimizer, gradient norm, skipped updates ------------------------------------------
 
