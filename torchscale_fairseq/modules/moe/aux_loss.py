@@ -42,14 +42,13 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, balance_loss: torch.Tensor, z_loss: torch.Tensor,
                 balance_scale: torch.Tensor, z_scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(balance_scale, z_scale)
-        ctx.dtypes = (balance_loss.dtype, z_loss.dtype)
-        return output.view_as(output)
+        ctx.save_for_backward(balance_scale.to(balance_loss.dtype), z_scale.to(z_loss.dtype))
+        return output.clone()  # (an alias of the input loses the gradients under torch.compile)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         balance_scale, z_scale = ctx.saved_tensors
-        return grad_output, balance_scale.to(ctx.dtypes[0]), z_scale.to(ctx.dtypes[1]), None, None
+        return grad_output, balance_scale, z_scale, None, None
 
 
 def aux_loss_scales(sample_sizes: Sequence[Any], ignored: Sequence[bool], balance_weight: float, z_weight: float,
