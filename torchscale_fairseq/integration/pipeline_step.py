@@ -166,6 +166,10 @@ class ScheduledTrainer(Trainer):
         def backward(i: int, loss: torch.Tensor) -> None:
             self.optimizer.backward(loss)
 
+        if not getattr(self, "_pipeline_group_used", False):
+            # NCCL: the first batch_isend_irecv on a group must involve all its ranks, unless a collective came first
+            dist.barrier(group=parallel.pipeline_group)
+            self._pipeline_group_used = True
         shapes = [stack.hidden_shape(sample["net_input"]["src_tokens"]) for sample, _ in prepared]
         channel = PipelineChannel(parallel.pipeline_ranks, parallel.pipeline_group, self.device,
                                   activation_dtype(cfg), shapes.__getitem__)

@@ -155,7 +155,7 @@ class Post:
     wait: bool = True
 
 
-Program = list  # of Step and Post, in the order a rank issues them
+Program = list[Step | Post]  # in the order a rank issues them
 
 
 def step_input(step: Step, pipeline_rank: int, pipeline_size: int, chunks: int) -> Transfer | None:
