@@ -149,7 +149,8 @@ def rank_main(rank: int, world: int, init: str, args: argparse.Namespace, costs:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     context = build_parallel_context(1, world)
-    channel = PipelineChannel(context.pipeline_ranks, context.pipeline_group, torch.device("cpu"))
+    channel = PipelineChannel(context.pipeline_ranks, context.pipeline_group, torch.device("cpu"), torch.float32,
+                              lambda i: (BATCH, SEQ, DIM))
     forward_s, backward_s, per_microbatch = costs
     for schedule, chunks in SCHEDULES:
         torch.manual_seed(rank)
@@ -168,7 +169,7 @@ def rank_main(rank: int, world: int, init: str, args: argparse.Namespace, costs:
                 dist.barrier()
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                    run_steps(steps, channel, rank, chunks, forward, lambda i, loss: loss.backward() or 0)
+                    run_steps(steps, channel, rank, chunks, forward, lambda i, loss: loss.backward())
                 wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
                 if update > 0:
                     walls.append(wall)

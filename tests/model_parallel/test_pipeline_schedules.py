@@ -1,8 +1,11 @@
-"""The pipeline schedules and the layer split, without processes: every schedule runs every
-forward and backward once, never deadlocks, receives every message in the order it was sent,
-and its bubble and in-flight micro-batches equal the published formulas (GPipe and 1F1B:
-``(P - 1) / m`` of the ideal time, interleaved ``(P - 1) / (V m)``; 1F1B holds ``P - s``
-micro-batches on stage ``s``, GPipe ``m``)."""
+"""The pipeline schedules and the layer split, without processes: every schedule, as the
+executor issues it, runs every forward and backward once, never deadlocks under NCCL's
+point-to-point semantics (P = 2..8, m = 1..16, V = 1..4), receives every message in the order it
+was sent, and its bubble and in-flight micro-batches equal the published formulas (GPipe and 1F1B:
+``(P - 1) / m`` of the ideal time; interleaved between ``(P - 1) / (V m)`` and that, its waited
+batches holding a forward until the paired backward's gradient is in; 1F1B holds ``P - s``
+micro-batches on stage ``s``, GPipe ``m``); today's unbatched sends and blocking receives
+deadlock there."""
 
 from __future__ import annotations
 
@@ -16,11 +19,16 @@ from torchscale_fairseq.model_parallel.pipeline_parallel import (
     stage_layer_counts,
 )
 from torchscale_fairseq.model_parallel.pipeline_schedules import (
+    Post,
     Step,
+    executor_program,
+    forward_only_steps,
     gpipe_steps,
     interleaved_steps,
     schedule_steps,
     simulate,
+    step_input,
+    step_output,
 )
 
 FORWARD, BACKWARD = 1.0, 2.0
@@ -42,6 +50,8 @@ def test_bubble_and_memory_equal_the_formulas(p, m, schedule, v):
     formula = ideal * (1 + (p - 1) / (v * m))
     if v > 1 and m < p:  # chunk by chunk, stage 0 waits for the first micro-batch to come round
         assert sim.makespan > formula
+    elif schedule == "1f1b" and v > 1 and m > p:  # the steady state's batches wait for the backward's gradient
+        assert formula - 1e-9 <= sim.makespan <= ideal * (1 + (p - 1) / m) + 1e-9
     else:
         assert sim.makespan == pytest.approx(formula)
     assert all(b == pytest.approx(ideal) for b in sim.busy)
@@ -84,6 +94,66 @@ def test_the_simulator_finds_a_deadlock_and_a_missing_step():
         simulate(wait_for_each_other)
     with pytest.raises(AssertionError, match="every forward and backward once"):
         simulate([good[0][:-1], good[1]])
+
+
+NCCL_CASES = [(schedule, p, m, v) for p in range(2, 9) for m in range(1, 17) for v in range(1, 5)
+              for schedule in ("gpipe", "1f1b")
+              if not (schedule == "1f1b" and v == 1 and m < p)]  # (1F1B: --update-freq >= P, checked at start)
+
+
+def test_every_schedule_is_deadlock_free_under_nccl_semantics():
+    """GPipe, 1F1B and interleaved 1F1B (with its GPipe-order fall-back when m is not a multiple of
+    P), as the executor batches them, for P = 2..8, m = 1..16, V = 1..4: every rank finishes, every
+    message meets its receive in channel order; every rank's batches hold at most one send and one
+    receive per step, and a rank posting a send also receiving in that step posts them together."""
+    for schedule, p, m, v in NCCL_CASES:
+        steps = _all_ranks(schedule, p, m, v)
+        sim = simulate(steps, v)
+        assert sim.makespan > 0, (schedule, p, m, v)
+        if schedule == "gpipe":  # validation's forward-only steps
+            assert simulate([forward_only_steps(p, m, v)] * p, v).busy == [m * v * 1.0] * p
+        for rank, rank_steps in enumerate(steps):
+            program = executor_program(rank_steps, rank, p, v)
+            posts = [item for item in program if isinstance(item, Post)]
+            transfers = [t for post in posts for t in post.transfers]
+            expected = [t for s in rank_steps for t in (step_input(s, rank, p, v), step_output(s, rank, p, v)) if t]
+            assert sorted(map(repr, transfers)) == sorted(map(repr, expected)), (schedule, p, m, v, rank)
+            assert all(post.wait for post in posts)
+
+
+def _unbatched_program(steps, rank, p, chunks):
+    """Today's executor: a blocking receive before a step, a buffered (unwaited) send after it."""
+    program = []
+    for step in steps:
+        receive, send = step_input(step, rank, p, chunks), step_output(step, rank, p, chunks)
+        if receive is not None:
+            program.append(Post((receive,), wait=True))
+        program.append(step)
+        if send is not None:
+            program.append(Post((send,), wait=False))
+    return program
+
+
+def test_the_simulator_flags_unbatched_sends_then_receives_as_a_deadlock():
+    """1F1B's steady state with an ``isend`` then a blocking ``recv``: neighbours each send before
+    they receive, and under NCCL (no buffering, a pair's operations in order) neither send completes.
+    The same pattern passes when the simulator is told sends are buffered (each one its own pair
+    order is what blocks), and the executor's batches pass."""
+    steps = _all_ranks("1f1b", 2, 4)
+    with pytest.raises(AssertionError, match="deadlocks under NCCL semantics"):
+        simulate(steps, program=_unbatched_program)
+    simulate(steps)
+    gpipe = _all_ranks("gpipe", 2, 4)  # GPipe never sends and receives on one pair at once: it passes too
+    simulate(gpipe, program=_unbatched_program)
+
+
+def test_executor_program_batches_megatron_style():
+    """1F1B on the middle rank of 3: a forward's send and the next backward's receive in one batch
+    (``send_forward_recv_backward``), a backward's send and the next forward's receive in one
+    (``send_backward_recv_forward``)."""
+    program = executor_program(schedule_steps("1f1b", 3, 1, 4), 1, 3)
+    pairs = [tuple((t.send, t.message.kind) for t in item.transfers) for item in program if isinstance(item, Post)]
+    assert ((True, "F"), (False, "B")) in pairs and ((True, "B"), (False, "F")) in pairs
 
 
 def test_layer_split():

@@ -89,10 +89,15 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         incremental_state: Optional[Dict[str, Any]] = None,
         features_only: bool = False,
         return_all_hiddens: bool = False,
+        pipeline_chunk: int = 0,
+        pipeline_input: Optional[torch.Tensor] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens)
-        if not features_only and self.runs_last_stage:
+        """``pipeline_chunk``: which of this rank's chunks runs, on ``pipeline_input`` (the previous
+        stage's hidden states; ``None`` on the first stage, which embeds the tokens)."""
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens,
+                                         pipeline_chunk, pipeline_input)
+        if not features_only and self.split.is_last(pipeline_chunk):
             x = self.output_layer(x)
         return x, extra
 
@@ -102,16 +107,18 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         encoder_out: Optional[Dict[str, List[torch.Tensor]]] = None,
         incremental_state: Optional[Dict[str, Any]] = None,
         return_all_hiddens: bool = False,
+        pipeline_chunk: int = 0,
+        pipeline_input: Optional[torch.Tensor] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        chunk = pipeline_chunk
         incremental = incremental_state is not None and _STEP_KEY in incremental_state
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
         length = prev_output_tokens.size(1)
         split = is_split(self.cfg, self.training)
         if split:
             prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
-        chunk, hidden = self.take_pipeline_input()
-        x = self.embed(prev_output_tokens, last_only=incremental) if self.split.is_first(chunk) else hidden
+        x = self.embed(prev_output_tokens, last_only=incremental) if self.split.is_first(chunk) else pipeline_input
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None

@@ -47,20 +47,24 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         src_tokens: torch.Tensor,
         src_lengths: Optional[torch.Tensor] = None,
         return_all_hiddens: bool = False,
+        pipeline_chunk: int = 0,
+        pipeline_input: Optional[torch.Tensor] = None,
         **unused,
     ) -> Dict[str, List]:
+        """``pipeline_chunk``: which of this rank's chunks runs, on ``pipeline_input`` (the previous
+        stage's hidden states; ``None`` on the first stage, which embeds the tokens)."""
+        chunk = pipeline_chunk
         length = src_tokens.size(1)
         split = is_split(self.cfg, self.training)
         tokens = pad_tokens(src_tokens, self.cfg, self.padding_idx) if split else src_tokens
         padding_mask = tokens.eq(self.padding_idx)
         has_pad = bool(padding_mask.any())
-        chunk, hidden = self.take_pipeline_input()
         if self.split.is_first(chunk):
             x = self.embed(tokens)
             if has_pad:
                 x = x.masked_fill((sequence_slice(padding_mask, self.cfg) if split else padding_mask).unsqueeze(-1), 0.0)
         else:
-            x = hidden
+            x = pipeline_input
         bias = self.rel_pos(tokens.size(1), tokens.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
         states = [x] if return_all_hiddens else []

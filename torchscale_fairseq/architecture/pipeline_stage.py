@@ -1,10 +1,10 @@
 """What a layer stack (the decoder of ``ts_lm``, the encoder of ``ts_mlm``) does as a pipeline
 stage: it holds the chunks of its layers that ``cfg.split`` gives this rank (the first stage the
 embedding, the last the final LayerNorm and output), runs one chunk per forward on the hidden
-states the previous stage sent (Megatron-LM's ``set_input_tensor``). Its layers live in an
-``nn.ModuleDict`` keyed by their global index (TorchTitan's), so every parameter is named as in
-one process and a stage's parameters are one process's, in its order, restricted to the stage
-(the last stage's copy of a tied embedding, registered last, added)."""
+states the previous stage sent (the forward's ``pipeline_chunk`` and ``pipeline_input``
+arguments). Its layers live in an ``nn.ModuleDict`` keyed by their global index (TorchTitan's), so
+every parameter is named as in one process and a stage's parameters are one process's, in its
+order, restricted to the stage (the last stage's copy of a tied embedding, registered last, added)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 
 from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.sequence_parallel import is_split
 from torchscale_fairseq.model_parallel.attributes import mark_pipeline_tied
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit
+from torchscale_fairseq.model_parallel.process_groups import group_size
 
 TIED_COPY = "tied_output"  # the attribute holding the last stage's copy of a tied embedding
 EMBEDDING = "embed.embed_tokens.weight"  # a stack's input embedding (the first stage's)
@@ -35,24 +37,16 @@ class PipelineStage(nn.Module):
             layer = build_layer(i)
             if self.split.holds_layer(i):
                 layers[str(i)] = layer
-        self._pipeline_chunk = 0
-        self._pipeline_input: Optional[torch.Tensor] = None
         return layers
 
-    def set_pipeline_input(self, chunk: int, hidden: Optional[torch.Tensor]) -> None:
-        """The next forward runs chunk ``chunk`` of this rank on ``hidden``, the previous stage's
-        output (``None`` on the first stage: the embedding)."""
-        self._pipeline_chunk, self._pipeline_input = chunk, hidden
-
-    def take_pipeline_input(self) -> tuple[int, Optional[torch.Tensor]]:
-        """The chunk this forward runs and its input hidden states (consumed)."""
-        hidden, self._pipeline_input = self._pipeline_input, None
-        return self._pipeline_chunk, hidden
-
-    @property
-    def runs_last_stage(self) -> bool:
-        """Whether the chunk of the current forward is the last global stage (the output layer's)."""
-        return self.split.is_last(self._pipeline_chunk)
+    def hidden_shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
+        """The shape of the hidden states between two stages for the stack's input ``tokens``
+        ``(B, T)``: ``(B, T, C)``, or this rank's slice ``(B, ceil(T / t), C)`` under sequence
+        parallelism in training (the tokens padded to a multiple of ``t``)."""
+        batch, length = tokens.shape
+        if is_split(self.cfg, self.training):
+            length = -(-length // group_size(self.cfg.tp_group))
+        return batch, length, self.cfg.embed_dim
 
     def chunk_layers(self, chunk: int) -> list[nn.Module]:
         """The layers of this rank's chunk ``chunk``, in order."""

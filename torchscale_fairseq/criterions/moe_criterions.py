@@ -20,7 +20,7 @@ from fairseq.criterions.masked_lm import MaskedLmConfig
 from fairseq.dataclass import FairseqDataclass
 
 from torchscale_fairseq.criterions import vocab_parallel
-from torchscale_fairseq.criterions.moe_terms import OutputRecorder, add_moe_terms, moe_outputs, reduce_moe_metrics
+from torchscale_fairseq.criterions.moe_terms import OutputRecorder, moe_figures, moe_outputs, reduce_moe_metrics
 from torchscale_fairseq.errors import TsConfigError
 
 GATE_LOSS_WT = 0.01  # X-MoE / GShard
@@ -39,7 +39,9 @@ class MoeLossConfig(FairseqDataclass):
 
 class MoeCriterionMixin:
     """What a MoE criterion adds to its base criterion (the next class in its MRO): the
-    weights from :class:`MoeLossConfig`, the MoE terms in :meth:`forward` and their metrics."""
+    weights from :class:`MoeLossConfig` (the trainer scales the MoE layers' auxiliary losses with
+    them, :mod:`torchscale_fairseq.modules.moe.aux_loss`), the MoE figures in :meth:`forward` and
+    their metrics."""
 
     registry_name: ClassVar[str]  # the --criterion name, for error messages
     adds_moe_balance_loss: ClassVar[bool] = True  # read by balance_check
@@ -59,8 +61,7 @@ class MoeCriterionMixin:
     def forward(self, model, sample, reduce=True):
         recorder = OutputRecorder(model)
         loss, sample_size, logging_output = super().forward(recorder, sample, reduce)
-        layers = moe_outputs(recorder.outputs[-1], self.registry_name)
-        loss = add_moe_terms(layers, self.moe_gate_loss_wt, self.moe_z_loss_wt, loss, sample_size, logging_output)
+        moe_figures(moe_outputs(recorder.outputs[-1], self.registry_name), sample_size, logging_output)
         return loss, sample_size, logging_output
 
     @classmethod

@@ -1,22 +1,23 @@
 """What every MoE criterion adds to its base loss, and what it logs.
 
-``loss = base + w * S * sum_l L_l + w_z * S_r * sum_l Z_l`` with ``w`` = ``--moe-gate-loss-wt``
-(paper: 0.01), ``L_l`` the balance loss of MoE layer ``l`` and ``S`` the sample size of the
-global batch (fairseq divides the summed gradients by it, so the balance term keeps weight ``w``
-whatever the batch); ``w_z`` = ``--moe-z-loss-wt`` (ST-MoE: 0.001; default 0, off), ``Z_l`` the
-layer's router z-loss (the mean over this rank's tokens,
-:func:`~torchscale_fairseq.modules.moe.balance.router_z_loss`) and ``S_r`` this rank's sample
-size, so that every token's z-loss weighs the same in any data-parallel layout. With
-``--moe-balance-scope local`` (default) ``L_l`` and ``S`` are this rank's, as in fairseq's MoE
-branch; with ``global`` ``L_l`` is this rank's share of the data-parallel group's loss
-(:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed over the group. The MoE
-layers return their ``L_l`` and statistics
-(:class:`~torchscale_fairseq.modules.moe.balance.MoEAux`) and the model passes them up in its
-extra output under ``"moe"``; the criterion reads them from the output the model returned to its
-base loss (:class:`OutputRecorder`). The reported ``loss``/``ppl`` stay the base ones;
-``moe_gate_loss`` (``sum_l L_l``), ``moe_z_loss`` (``sum_l Z_l``, whatever ``w_z``), per-layer
-expert load CV (``moe_cv_<layer>``), ``moe_drop`` (fraction of dropped assignments) and
-``moe_entropy`` (mean routing entropy per token, nats) are logged beside them.
+``loss = base + w * S * sum_l L_l + w_z * S_r * sum_l Z_l`` (the terms are differentiated inside the
+MoE layers, :mod:`torchscale_fairseq.modules.moe.aux_loss`; the criterion returns the base loss)
+with ``w`` = ``--moe-gate-loss-wt`` (paper: 0.01), ``L_l`` the balance loss of MoE layer ``l`` and
+``S`` the sample size of the global batch (fairseq divides the summed gradients by it, so the
+balance term keeps weight ``w`` whatever the batch); ``w_z`` = ``--moe-z-loss-wt`` (ST-MoE: 0.001;
+default 0, off), ``Z_l`` the layer's router z-loss (the mean over this rank's tokens,
+:func:`~torchscale_fairseq.modules.moe.balance.router_z_loss`) and ``S_r`` this rank's sample size,
+so that every token's z-loss weighs the same in any data-parallel layout. With ``--moe-balance-scope
+local`` (default) ``L_l`` and ``S`` are this rank's, as in fairseq's MoE branch; with ``global``
+``L_l`` is this rank's share of the data-parallel group's loss
+(:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed over the group (by the trainer,
+before the update's forwards). The MoE layers return their ``L_l`` and statistics
+(:class:`~torchscale_fairseq.modules.moe.balance.MoEAux`) and the model passes them up in its extra
+output under ``"moe"``; the criterion reads them from the output the model returned to its base loss
+(:class:`OutputRecorder`). The reported ``loss``/``ppl`` stay the base ones; ``moe_gate_loss``
+(``sum_l L_l``), ``moe_z_loss`` (``sum_l Z_l``, whatever ``w_z``), per-layer expert load CV
+(``moe_cv_<layer>``), ``moe_drop`` (fraction of dropped assignments) and ``moe_entropy`` (mean
+routing entropy per token, nats) are logged beside them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from fairseq.criterions import masked_lm
 from fairseq.logging import metrics
 
 from torchscale_fairseq.errors import TsConfigError
@@ -59,27 +60,30 @@ def moe_outputs(net_output: Any, criterion: str) -> list[MoEAux]:
     return extra["moe"]
 
 
-def _balance_sample_size(layers: list[MoEAux], sample_size: Any) -> torch.Tensor:
-    size = torch.as_tensor(sample_size, dtype=torch.float32).clone()
-    group = layers[0].data_parallel_group if layers else None
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(size, group=group)
-    return size
+def criterion_sample_size(criterion: Any, sample: dict) -> Any:
+    """The sample size ``criterion`` returns for ``sample``, known before its forward (fairseq's rules:
+    ``masked_lm`` the masked tokens, a 0-d tensor; the others the sentences with ``--sentence-avg``,
+    else the target tokens)."""
+    if isinstance(criterion, masked_lm.MaskedLmLoss):
+        return sample["target"].ne(criterion.padding_idx).int().sum()
+    return sample["target"].size(0) if getattr(criterion, "sentence_avg", False) else sample["ntokens"]
 
 
-def add_moe_terms(layers: list[MoEAux], weight: float, z_weight: float, loss: torch.Tensor, sample_size: Any,
-                  logging_output: dict) -> torch.Tensor:
-    """``loss + w * S * sum_l L_l + w_z * S_r * sum_l Z_l``; fills ``logging_output`` with the MoE figures."""
+def moe_figures(layers: list[MoEAux], sample_size: Any, logging_output: dict) -> None:
+    """Fill ``logging_output`` with the MoE figures of ``layers``: ``moe_gate_loss`` = ``S sum_l L_l``
+    (``S`` from the layers' :class:`~torchscale_fairseq.modules.moe.aux_loss.AuxLossScale`, summed over
+    the data-parallel group under the global balance scope; ``sample_size`` when none was set),
+    ``moe_z_loss`` = ``S_r sum_l Z_l``, the per-layer load CVs, drops and routing entropy."""
     if not layers:
         logging_output["moe_gate_loss"] = logging_output["moe_z_loss"] = 0.0
-        return loss
-    total = _balance_sample_size(layers, sample_size)
-    local = torch.as_tensor(sample_size, dtype=torch.float32)
-    gate = torch.stack([m.balance_loss for m in layers]).sum()
-    z = torch.stack([m.z_loss for m in layers]).sum()
-    sizes = torch.stack([total, local]).to(gate.device)
+        return
+    gate = torch.stack([m.balance_loss.detach().float() for m in layers]).sum()
+    z = torch.stack([m.z_loss.detach().float() for m in layers]).sum()
+    local = torch.as_tensor(sample_size, dtype=torch.float32, device=gate.device)
+    scale = layers[0].scale
+    total = local if scale is None else scale.balance_sample_size.to(gate.device)
     figures = torch.cat([  # the layers' statistics are device tensors: one host read for all of them
-        torch.stack([gate.detach(), z.detach()]).float() * sizes,
+        torch.stack([gate * total, z * local]),
         torch.stack([m.stats.load_cv for m in layers]).float().to(gate.device),
         torch.stack([torch.stack([m.stats.dropped, m.stats.routed, m.stats.tokens]).float()
                      for m in layers]).sum(0).to(gate.device),
@@ -92,8 +96,16 @@ def add_moe_terms(layers: list[MoEAux], weight: float, z_weight: float, loss: to
         logging_output[f"moe_cv_{m.tag}"] = cv
     logging_output["moe_dropped"], logging_output["moe_routed"] = int(dropped), int(routed)
     logging_output["moe_entropy_sum"], logging_output["moe_tokens"] = entropy, int(tokens)
-    loss = loss + weight * total.to(loss.dtype) * gate.to(loss.dtype)
-    return loss + z_weight * local.to(loss.dtype) * z.to(loss.dtype) if z_weight else loss
+
+
+def merge_moe_figures(logging_output: dict, figures: dict) -> None:
+    """Add another pipeline stage's MoE figures (:func:`moe_figures`) to the last stage's logging
+    output: sums, the per-layer load CVs side by side."""
+    for key, value in figures.items():
+        if key.startswith("moe_cv_") or key == "moe_layers":
+            logging_output[key] = value
+        elif key.startswith("moe_"):
+            logging_output[key] = logging_output.get(key, 0) + value
 
 
 def reduce_moe_metrics(logging_outputs: list[dict]) -> None:

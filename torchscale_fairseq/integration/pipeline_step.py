@@ -1,64 +1,43 @@
-"""One update (or validation batch) of a pipeline-parallel run inside fairseq's
-``Trainer.train_step`` / ``valid_step``.
+"""How an update's micro-batches run, as overrides of fairseq's ``Trainer`` (:class:`ScheduledTrainer`,
+the base of :class:`~torchscale_fairseq.integration.trainer.TsTrainer`).
 
-fairseq's step calls ``task.train_step`` once per ``--update-freq`` micro-batch, forward and
-backward together; a pipeline interleaves the micro-batches' forwards and backwards across
-stages. :class:`ScheduledTask` stands in for the task during the step: its first
-``train_step`` (or ``valid_step``) call runs the whole schedule
-(:func:`run_pipeline_schedule`), after fairseq zeroed the gradients and set the seed, and every
-call returns its micro-batch's ``(loss, sample_size, logging output)``; the rest of fairseq's
-step (data-parallel all-reduce, the ``1 / sample_size`` scaling, clipping, the optimizer step,
-logging) runs unchanged. The losses and logging outputs exist on the last stage; they are
-shared with the pipeline's other stages, so every stage scales, clips and logs as one process.
-
-MoE layers on other stages: their auxiliary terms (``w S sum_l L_l + w_z S_r sum_l Z_l``,
-:func:`~torchscale_fairseq.criterions.moe_terms.add_moe_terms`) are differentiated with the
-stage's output in its backward, ``S`` (the micro-batch's sample size, which the criterion computes
-on the last stage) travelling back with the gradients; their logged figures join the last
-stage's logging output.
+- MoE auxiliary losses: before an update, the scale of each micro-batch's balance and z-losses
+  (:func:`~torchscale_fairseq.modules.moe.aux_loss.aux_loss_scales`: ``w S`` and ``w_z S_r`` times the
+  loss scale, 0 for a dummy batch; ``S`` summed over the data-parallel group under
+  ``--moe-balance-scope global``, one all-reduce for the update) follows from the sample sizes,
+  which the criterion's rule gives before any forward; each is set on the MoE layers before its
+  micro-batch's forward (in fairseq's loop when fairseq prepares the micro-batch).
+- ``--pipeline-model-parallel-size``: the update runs its micro-batches through this rank's chunks
+  in the schedule's order (:func:`~torchscale_fairseq.model_parallel.pipeline_parallel.run_steps`,
+  which knows only hidden states and their gradients), then finishes as fairseq's ``train_step``
+  does (the data-parallel all-reduce, the ``1 / sample_size`` scaling, clipping, the optimizer
+  step, logging). The losses and logging outputs exist on the last stage; they are shared with
+  the pipeline's other stages, with every stage's MoE figures, so every stage scales, clips and
+  logs as one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from fairseq import utils
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
 
-from torchscale_fairseq.criterions.moe_terms import add_moe_terms
+from torchscale_fairseq.criterions.moe_terms import criterion_sample_size, merge_moe_figures, moe_figures
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineChannel, run_steps, sum_tied_grads
 from torchscale_fairseq.model_parallel.pipeline_schedules import forward_only_steps, schedule_steps
+from torchscale_fairseq.modules.moe.aux_loss import AuxLossScale, aux_loss_scales, set_aux_loss_scale
+from torchscale_fairseq.modules.moe.layer import MoELayer
 
-StepResult = tuple[Any, Any, dict]  # (loss, sample_size, logging output) as task.train_step returns them
-
-
-class ScheduledTask:
-    """The task, whose ``train_step`` / ``valid_step`` return the results of ``run()`` (called once,
-    at the first of them) in micro-batch order."""
-
-    def __init__(self, task: Any, run: Callable[[], list[StepResult]]) -> None:
-        self._task, self._run = task, run
-        self._results: Iterator[StepResult] | None = None
-
-    def train_step(self, *args: Any, **kwargs: Any) -> StepResult:
-        if self._results is None:
-            self._results = iter(self._run())
-        return next(self._results)
-
-    valid_step = train_step
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # fairseq reads class-level hooks from task.__class__
-        return type(self._task)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._task, name)
+logger = logging.getLogger(__name__)
 
 
-def _loss_scale(optimizer: Any) -> float:
+def loss_scale(optimizer: Any) -> float:
     """What the optimizer's ``backward`` multiplies the loss by (fp16 / AMP loss scaling)."""
     scaler = getattr(optimizer, "scaler", None)
     if scaler is None:
@@ -66,88 +45,217 @@ def _loss_scale(optimizer: Any) -> float:
     return float(scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.loss_scale)
 
 
-def merge_moe_figures(logging_output: dict, figures: dict) -> None:
-    """Add another stage's MoE figures (:func:`add_moe_terms`) to the last stage's logging output:
-    sums, the per-layer load CVs side by side."""
-    for key, value in figures.items():
-        if key.startswith("moe_cv_") or key == "moe_layers":
-            logging_output[key] = value
-        elif key.startswith("moe_"):
-            logging_output[key] = logging_output.get(key, 0) + value
+def activation_dtype(cfg: Any) -> torch.dtype:
+    """The dtype of the hidden states between stages: the parameters' (``--amp`` keeps them fp32)."""
+    if cfg.common.fp16 and not cfg.common.amp:
+        return torch.float16
+    if cfg.common.bf16 and not cfg.common.amp:
+        return torch.bfloat16
+    return torch.float32
 
 
-def _share(parallel: Any, value: Any) -> list[Any]:
-    """``value`` of every stage of this rank's pipeline, in stage order."""
-    shared: list[Any] = [None] * parallel.pipeline_size
-    dist.all_gather_object(shared, value, group=parallel.pipeline_group)
-    return shared
+def is_dummy(sample: Any) -> bool:
+    """fairseq's test for a dummy batch (an empty one, stood in for by the first batch, gradient ignored)."""
+    return sample is None or len(sample) == 0
 
 
-def run_pipeline_schedule(trainer: Any, samples: list[Any], training: bool) -> list[StepResult]:
-    """Every micro-batch of ``samples`` through this rank's chunks in the schedule's order (backward
-    too when ``training``: gradients accumulate in the parameters, the tied embedding's summed over
-    its first and last stage); the results of the last stage, with every stage's MoE figures, on
-    every stage."""
-    parallel, model, criterion, cfg = trainer.parallel, trainer.model, trainer.criterion, trainer.cfg
-    stack = trainer.get_model().pipeline_stack  # ts_lm's decoder, ts_mlm's encoder
-    split = stack.split
-    prepared = [trainer._prepare_sample(sample) for sample in samples]
-    results: list[tuple[Any, dict] | None] = [None] * len(samples)
-    moe: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> MoE outputs of a stage before the last
-    figures: list[dict] = [{} for _ in samples]
-    weights = (getattr(criterion, "moe_gate_loss_wt", 0.0), getattr(criterion, "moe_z_loss_wt", 0.0))
+class PipelineInput:
+    """The model as the last stage's criterion calls it: each call runs chunk ``chunk`` on
+    ``hidden``, the previous stage's hidden states."""
 
-    def forward(chunk: int, i: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        sample, is_dummy = prepared[i]
-        stack.set_pipeline_input(chunk, hidden)
-        with torch.autocast("cuda", enabled=bool(cfg.common.amp) and trainer.device.type == "cuda"):
-            if not split.is_last(chunk):
-                out, extra = model(**sample["net_input"])
-                if extra.get("moe"):
-                    moe[chunk, i] = extra["moe"]
-                return out
-            loss, sample_size, logging_output = criterion(model, sample)
-        results[i] = (sample_size, logging_output)
-        return loss * 0 if is_dummy else loss  # fairseq's ignore_grad
+    def __init__(self, model: torch.nn.Module, chunk: int, hidden: torch.Tensor | None) -> None:
+        self.model, self.chunk, self.hidden = model, chunk, hidden
 
-    def backward_loss(i: int, loss: torch.Tensor) -> int:
-        trainer.optimizer.backward(loss)
-        return int(results[i][0])
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs, pipeline_chunk=self.chunk, pipeline_input=self.hidden)
 
-    def stage_loss(chunk: int, i: int, sample_size: int) -> torch.Tensor | None:
-        layers = moe.pop((chunk, i), None)
-        if not layers:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class ScheduledTrainer(Trainer):
+    """fairseq's ``Trainer`` with the MoE auxiliary-loss scales and the pipeline schedule of the
+    module docstring. ``self.parallel``: the run's parallel context (set by the subclass)."""
+
+    parallel: Any
+    _queued_scales: list[AuxLossScale]
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        if not hasattr(self, "_moe_layers"):
+            self._moe_layers = [m for m in self._model.modules() if isinstance(m, MoELayer)]
+        return self._moe_layers
+
+    def aux_loss_scales(self, samples: list[tuple[Any, bool]], training: bool) -> list[AuxLossScale] | None:
+        """The scale of each ``(sample, is dummy)`` (``None`` without MoE layers); a dummy's sample
+        size is the dummy batch's, as the criterion would compute it."""
+        if not self.moe_layers:
             return None
-        zero = torch.zeros((), device=layers[0].balance_loss.device)
-        term = add_moe_terms(layers, *weights, zero, sample_size, stage_figures := {})
-        merge_moe_figures(figures[i], stage_figures)
-        scale = 0.0 if prepared[i][1] else _loss_scale(trainer.optimizer)
-        return term * scale if any(weights) else None
+        criterion = self.get_criterion()
+        stand_in = samples[0][0] if isinstance(self._dummy_batch, str) else self._dummy_batch
+        sizes = [criterion_sample_size(criterion, stand_in if dummy else sample) for sample, dummy in samples]
+        global_scope = any(m.cfg.balance_scope == "global" for m in self.moe_layers)
+        group = self.parallel.data_group if global_scope and self.parallel.data_size > 1 else None
+        weights = (getattr(criterion, "moe_gate_loss_wt", 0.0), getattr(criterion, "moe_z_loss_wt", 0.0))
+        scale = loss_scale(self.optimizer) if training else 1.0
+        return aux_loss_scales(sizes, [dummy for _, dummy in samples], *weights, scale, self.device, group)
 
-    channel = PipelineChannel(parallel.pipeline_ranks, parallel.pipeline_group, trainer.device)
-    if training:
-        trainer.get_model().set_num_updates(trainer.get_num_updates())
-        steps = schedule_steps(str(cfg.model.pipeline_schedule), parallel.pipeline_size, parallel.pipeline_rank,
-                               len(samples), split.chunks)
-        run_steps(steps, channel, parallel.pipeline_rank, split.chunks, forward, backward_loss, stage_loss)
-        sum_tied_grads(trainer.get_model().parameters(), parallel.embedding_group)
-    else:
-        with torch.no_grad():
-            run_steps(forward_only_steps(len(samples), split.chunks), channel, parallel.pipeline_rank, split.chunks,
-                      forward)
-    last_results = _share(parallel, utils.move_to_cpu(results) if split.holds_last_stage else None)[-1]
-    if not training:  # the MoE figures of the other stages, with the sample sizes the last stage computed
-        with torch.no_grad():
-            for (_, i), layers in sorted(moe.items(), key=lambda item: item[0]):
-                zero = torch.zeros((), device=layers[0].balance_loss.device)
-                add_moe_terms(layers, *weights, zero, last_results[i][0], stage_figures := {})
-                merge_moe_figures(figures[i], stage_figures)
-    if stack.cfg.moe is not None:  # (on every stage: a collective; the last one's figures are its other chunks')
-        for stage_figures in _share(parallel, figures):
-            for i, figure in enumerate(stage_figures):
+    def _prepare_sample(self, sample, is_dummy=False):
+        """fairseq's; in fairseq's update loop the prepared micro-batch's MoE scale is set, in order."""
+        prepared = super()._prepare_sample(sample, is_dummy)
+        if not is_dummy and getattr(self, "_queued_scales", None):
+            set_aux_loss_scale(self.moe_layers, self._queued_scales.pop(0))
+        return prepared
+
+    def _moe_samples(self, samples: list[Any]) -> list[tuple[Any, bool]]:
+        """``(sample, is dummy)`` of fairseq's loop's micro-batches before it prepares them (the
+        dummy batch is the first micro-batch fairseq prepared)."""
+        return [(sample, is_dummy(sample)) for sample in samples]
+
+    def train_step(self, samples, raise_oom: bool = False):
+        if self.parallel.pipeline_size > 1:
+            return self._pipeline_train_step(samples)
+        if self.moe_layers and not (is_dummy(samples[0]) and isinstance(self._dummy_batch, str)):
+            self._queued_scales = self.aux_loss_scales(self._moe_samples(samples), training=True)
+        try:
+            return super().train_step(samples, raise_oom)
+        finally:
+            self._queued_scales = []
+            set_aux_loss_scale(self.moe_layers, None)
+
+    @metrics.aggregate("valid")
+    def valid_step(self, sample, raise_oom: bool = False):
+        if self.parallel.pipeline_size > 1:
+            return self._pipeline_valid_step(sample)
+        if self.moe_layers and not (is_dummy(sample) and isinstance(self._dummy_batch, str)):
+            set_aux_loss_scale(self.moe_layers, self.aux_loss_scales(self._moe_samples([sample]), training=False)[0])
+        try:
+            return super().valid_step(sample, raise_oom)
+        finally:
+            set_aux_loss_scale(self.moe_layers, None)
+
+    # pipeline parallelism -----------------------------------------------------------------
+
+    def _run_schedule(self, samples: list[Any], training: bool) -> list[tuple[Any, dict]]:
+        """Every micro-batch of ``samples`` through this rank's chunks in the schedule's order
+        (backward too when ``training``: gradients accumulate in the parameters, the tied
+        embedding's summed over its first and last stage); the last stage's ``(sample size,
+        logging output)`` of each, with every stage's MoE figures, on every stage."""
+        parallel, model, criterion, cfg = self.parallel, self.model, self.criterion, self.cfg
+        stack = self.get_model().pipeline_stack  # ts_lm's decoder, ts_mlm's encoder
+        split = stack.split
+        prepared = [self._prepare_sample(sample) for sample in samples]
+        scales = self.aux_loss_scales(prepared, training)
+        results: list[tuple[Any, dict] | None] = [None] * len(samples)
+        moe: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> MoE outputs of a stage before the last
+
+        def forward(chunk: int, i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            sample, dummy = prepared[i]
+            if scales is not None:
+                set_aux_loss_scale(self.moe_layers, scales[i])
+            with torch.autocast("cuda", enabled=bool(cfg.common.amp) and self.device.type == "cuda"):
+                if not split.is_last(chunk):
+                    out, extra = model(**sample["net_input"], pipeline_chunk=chunk, pipeline_input=hidden)
+                    if extra.get("moe"):
+                        moe[chunk, i] = extra["moe"]
+                    return out
+                loss, sample_size, logging_output = criterion(PipelineInput(model, chunk, hidden), sample)
+            results[i] = (sample_size, logging_output)
+            return loss * 0 if dummy else loss  # fairseq's ignore_grad
+
+        def backward(i: int, loss: torch.Tensor) -> None:
+            self.optimizer.backward(loss)
+
+        if not getattr(self, "_pipeline_group_used", False):
+            # NCCL: the first batch_isend_irecv on a group must involve all its ranks, unless a collective came first
+            dist.barrier(group=parallel.pipeline_group)
+            self._pipeline_group_used = True
+        shapes = [stack.hidden_shape(sample["net_input"]["src_tokens"]) for sample, _ in prepared]
+        channel = PipelineChannel(parallel.pipeline_ranks, parallel.pipeline_group, self.device,
+                                  activation_dtype(cfg), shapes.__getitem__)
+        try:
+            if training:
+                self.get_model().set_num_updates(self.get_num_updates())
+                steps = schedule_steps(str(cfg.model.pipeline_schedule), parallel.pipeline_size,
+                                       parallel.pipeline_rank, len(samples), split.chunks)
+                run_steps(steps, channel, parallel.pipeline_rank, split.chunks, forward, backward)
+                sum_tied_grads(self.get_model().parameters(), parallel.embedding_group)
+            else:
+                steps = forward_only_steps(parallel.pipeline_size, len(samples), split.chunks)
+                run_steps(steps, channel, parallel.pipeline_rank, split.chunks, forward)
+        finally:
+            set_aux_loss_scale(self.moe_layers, None)
+        figures: list[dict] = [{} for _ in samples]
+        for (_, i), layers in sorted(moe.items(), key=lambda item: item[0]):
+            moe_figures(layers, scales[i].sample_size, stage_figures := {})
+            merge_moe_figures(figures[i], stage_figures)
+        shared = [None] * parallel.pipeline_size
+        mine = (utils.move_to_cpu(results) if split.holds_last_stage else None, figures if scales else None)
+        dist.all_gather_object(shared, mine, group=parallel.pipeline_group)
+        last_results = shared[-1][0]
+        for _, stage_figures in shared:  # (the last stage's own figures are those of its other chunks)
+            for i, figure in enumerate(stage_figures or []):
                 merge_moe_figures(last_results[i][1], figure)
-    zero = torch.zeros((), device=trainer.device)
-    return [(zero, sample_size, logging_output) for sample_size, logging_output in last_results]
+        return last_results
+
+    def _pipeline_train_step(self, samples: list[Any]):
+        """fairseq's ``train_step`` (its non-TPU path, without OOM recovery) with the micro-batches'
+        forwards and backwards run by the pipeline schedule."""
+        self._set_seed()
+        self.model.train()
+        self.criterion.train()
+        self.zero_grad()
+        metrics.log_start_time("train_wall", priority=800, round=0)
+        results = self._run_schedule(samples, training=True)
+        logging_outputs = [logging_output for _, logging_output in results]
+        sample_size = sum(size for size, _ in results)
+        ignore = is_dummy(samples[-1])
+        if ignore:
+            sample_size *= 0
+        sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
+        if self._sync_stats():
+            logging_outputs, (sample_size, _, total_train_time) = self._aggregate_logging_outputs(
+                logging_outputs, sample_size, 0, self._local_cumulative_training_time(), ignore=ignore)
+            self._cumulative_training_time = total_train_time / self.data_parallel_world_size
+        self.optimizer.all_reduce_grads(self.model)
+        numer = self.data_parallel_world_size if not self.cfg.optimization.use_bmuf or self._sync_stats() else 1
+        self.optimizer.multiply_grads(numer / (sample_size or 1.0))
+        grad_norm = self.clip_grad_norm(self.cfg.optimization.clip_norm)  # (a non-finite norm without --amp raises)
+        self._check_grad_norms(grad_norm)
+        overflow = bool(self.cfg.common.amp) and not bool(torch.isfinite(grad_norm).all())
+        self.task.optimizer_step(self.optimizer, model=self.model, update_num=self.get_num_updates())
+        logging_output = None
+        if overflow:  # --amp: the scaler skipped the step; fairseq retries the batch
+            if self._amp_retries == self.cfg.common.amp_batch_retries:
+                logger.info("AMP: skipping this batch.")
+                self._amp_retries = 0
+            else:
+                self._amp_retries += 1
+                return self.train_step(samples)
+        else:
+            self.set_num_updates(self.get_num_updates() + 1)
+            logging_output = self._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+        if self.cfg.common.fp16 or self.cfg.common.amp:
+            scaler = self.optimizer.scaler
+            metrics.log_scalar("loss_scale", scaler.loss_scale if self.cfg.common.fp16 else scaler.get_scale(),
+                               priority=700, round=4, weight=0)
+        metrics.log_stop_time("train_wall")
+        return logging_output
+
+    def _pipeline_valid_step(self, sample: Any):
+        """fairseq's ``valid_step`` with the forward run through the stages."""
+        with torch.no_grad():
+            self.model.eval()
+            self.criterion.eval()
+            ((sample_size, logging_output),) = self._run_schedule([sample], training=False)
+            ignore = is_dummy(sample)
+            if ignore:
+                sample_size *= 0
+        logging_outputs = [logging_output]
+        if self.data_parallel_world_size > 1:
+            logging_outputs, (sample_size,) = self._aggregate_logging_outputs(logging_outputs, sample_size,
+                                                                              ignore=ignore)
+        return self._reduce_and_log_stats(logging_outputs, sample_size)
 
 
 def check_pipeline_run(cfg: Any, data_parallel_size: int, pipeline_size: int) -> None:
@@ -158,6 +266,8 @@ def check_pipeline_run(cfg: Any, data_parallel_size: int, pipeline_size: int) ->
             f"--ddp-backend {backend} all-reduces inside every backward, which a pipeline runs out of order: use "
             "--ddp-backend legacy_ddp with --pipeline-model-parallel-size > 1 and data parallelism"
         )
+    if cfg.ema.store_ema:
+        raise TsConfigError("--store-ema is not pipeline-parallel: drop it or use --pipeline-model-parallel-size 1")
     chunks = cfg.model.virtual_pipeline_stages
     for update_freq in cfg.optimization.update_freq:
         if str(cfg.model.pipeline_schedule) == "1f1b" and update_freq < pipeline_size:

@@ -27,9 +27,11 @@
   a skipped update moves none;
 - ``--zero-sharding os`` shards the optimizer state over the data-parallel group
   (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
-- ``--pipeline-model-parallel-size``: each update's micro-batches run through the stages in the
-  schedule's order, as the task's steps (:mod:`.pipeline_step`); each stage draws its own
-  dropout masks (its seed offset by the pipeline rank, as Megatron-LM's);
+- the MoE layers' auxiliary losses are differentiated with their outputs, scaled per micro-batch
+  before its forward, and ``--pipeline-model-parallel-size`` runs each update's micro-batches
+  through the stages in the schedule's order (:class:`~.pipeline_step.ScheduledTrainer`, the base
+  class); each stage draws its own dropout masks (its seed offset by the pipeline rank, as
+  Megatron-LM's);
 - checkpoints: with experts spread over data-parallel ranks every rank saves and loads
   its own ``-shard<r>`` file; under tensor parallelism each rank loads its own
   ``-model_part-<k>`` part, under pipeline parallelism its own ``-stage<p>`` file (layers named
@@ -52,7 +54,6 @@ from typing import Any
 import torch
 from fairseq import optim, utils
 from fairseq.logging import metrics
-from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
 from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
@@ -72,7 +73,7 @@ from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.clip_grad_norm import use_parallel_context
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.host_overhead import LazyLoggingOutput, no_gc_pause
-from torchscale_fairseq.integration.pipeline_step import ScheduledTask, check_pipeline_run, run_pipeline_schedule
+from torchscale_fairseq.integration.pipeline_step import ScheduledTrainer, check_pipeline_run
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
@@ -138,7 +139,7 @@ def _pending_factor(optimizer: Any) -> float | torch.Tensor:
     return factor.clone() if torch.is_tensor(factor) else factor
 
 
-class TsTrainer(Trainer):
+class TsTrainer(ScheduledTrainer):
     """fairseq's ``Trainer`` with the changes listed in the module docstring."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None, **kwargs) -> None:
@@ -255,29 +256,11 @@ class TsTrainer(Trainer):
         seed = self.cfg.common.seed + self.get_num_updates() + PIPELINE_SEED_STRIDE * self.parallel.pipeline_rank
         utils.set_torch_seed(seed)
 
-    @contextlib.contextmanager
-    def _scheduled(self, samples: list[Any], training: bool) -> Iterator[None]:
-        """Under a pipeline, fairseq's step reads the micro-batches' results from the schedule
-        (:class:`~torchscale_fairseq.integration.pipeline_step.ScheduledTask`)."""
-        if self.parallel.pipeline_size == 1:
-            yield
-            return
-        task = self.task
-        self.task = ScheduledTask(task, lambda: run_pipeline_schedule(self, samples, training))
-        try:
-            yield
-        finally:
-            self.task = task
-
-    def valid_step(self, sample, raise_oom: bool = False):
-        with self._scheduled([sample], training=False):
-            return super().valid_step(sample, raise_oom)
-
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
         updates = self.get_num_updates()
         try:
-            with no_gc_pause(), cpu_autocast(self.cfg.common.amp, self.device), self._scheduled(samples, training=True):
+            with no_gc_pause(), cpu_autocast(self.cfg.common.amp, self.device):
                 logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
             discard_expert_loads(self._model)

@@ -5,13 +5,14 @@ Why not ``torch.distributed.pipelining``: its ``PipelineStage`` infers one activ
 and reuses it for every micro-batch, and its schedules cut one batch into equal
 micro-batches and apply ``loss_fn(output, target)`` to each; fairseq's micro-batches are the
 ``--update-freq`` batches of different shapes, and its criterion needs the whole sample
-(targets, token counts, the MoE outputs). Every stage of a pipeline reads the same batches
-(the data loader is sharded over data-parallel ranks only), so a stage has the tokens,
-padding masks and positions of every micro-batch itself; only hidden states and their
-gradients travel, each message a small header (dtype and shape) then the tensor. The
-executor is as small as Megatron-LM's ``schedules.py``: buffered sends (``isend``, waited
-at the end of the update) and blocking receives in the schedule's order, which
-:func:`~.pipeline_schedules.simulate` checks to be free of deadlocks and in channel order.
+(targets, token counts). Every stage of a pipeline reads the same batches (the data loader is
+sharded over data-parallel ranks only), so a stage has the tokens, padding masks and positions
+of every micro-batch itself, and knows the shape of every message before it arrives; only
+hidden states and their gradients travel, with no header and no host read. The executor is as
+small as Megatron-core's ``schedules.py`` with its ``p2p_communication.py``: it issues
+:func:`~.pipeline_schedules.executor_program`, each step's sends and receives posted as one
+``batch_isend_irecv`` and waited, which :func:`~.pipeline_schedules.simulate` checks to be free of
+deadlocks under NCCL's semantics and in channel order.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ import torch.distributed as dist
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import pipeline_tied_role
-from torchscale_fairseq.model_parallel.pipeline_schedules import Step, global_stage
+from torchscale_fairseq.model_parallel.pipeline_schedules import (
+    Message,
+    Post,
+    Step,
+    Transfer,
+    executor_program,
+    global_stage,
+)
 from torchscale_fairseq.model_parallel.process_groups import group_size
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = 7  # dtype index, ndim, up to 4 sizes, one integer the caller sends along
 
 
 def parse_layer_counts(text: str | None) -> list[int] | None:
@@ -134,77 +139,75 @@ def sum_tied_grads(params: Iterable[torch.Tensor], embedding_group: Any) -> None
 
 
 class PipelineChannel:
-    """Messages between the ranks of one pipeline: ``send`` is buffered (waited by
-    :meth:`wait`), ``recv`` blocks. ``ranks``: the pipeline's global ranks in stage order. A
-    message carries a tensor and one integer (``value``)."""
+    """Messages between the ranks of one pipeline (``ranks``: their global ranks in stage order),
+    each of the shape ``shape(microbatch)`` and of ``dtype``, known on both sides in advance."""
 
-    def __init__(self, ranks: Sequence[int], group: Any, device: torch.device) -> None:
-        self.ranks, self.group, self.device = list(ranks), group, device
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+    def __init__(self, ranks: Sequence[int], group: Any, device: torch.device, dtype: torch.dtype,
+                 shape: Callable[[int], Sequence[int]]) -> None:
+        self.ranks, self.group, self.device, self.dtype, self.shape = list(ranks), group, device, dtype, shape
 
-    def send(self, tensor: torch.Tensor, pipeline_rank: int, value: int = 0) -> None:
-        if tensor.dtype not in _DTYPES or not 1 <= tensor.dim() <= _HEADER - 3:
-            raise TsConfigError(f"a pipeline stage sent a {tensor.dtype} tensor of {tensor.dim()} dimensions: only "
-                                "floating point hidden states of 1 to 4 dimensions travel between stages")
-        header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (_HEADER - 3 - tensor.dim())
-        header.append(int(value))
-        dst = self.ranks[pipeline_rank]
-        for message in (torch.tensor(header, dtype=torch.long, device=self.device), tensor.detach().contiguous()):
-            self._pending.append((dist.isend(message, dst, group=self.group), message))
-
-    def recv(self, pipeline_rank: int) -> tuple[torch.Tensor, int]:
-        src = self.ranks[pipeline_rank]
-        header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
-        dist.recv(header, src, group=self.group)
-        code, ndim, *sizes, value = header.tolist()
-        tensor = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=self.device)
-        dist.recv(tensor, src, group=self.group)
-        return tensor, value
-
-    def wait(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+    def exchange(self, post: Post, outgoing: dict[Transfer, torch.Tensor]) -> dict[Transfer, torch.Tensor]:
+        """Issue ``post``'s transfers as one batch (``outgoing``: the tensor of each send) and wait
+        for all of them; the received tensors, by transfer."""
+        ops, received = [], {}
+        for t in post.transfers:
+            expected = tuple(self.shape(t.message.microbatch))
+            if t.send:
+                tensor = outgoing[t]
+                if tuple(tensor.shape) != expected or tensor.dtype != self.dtype:
+                    what = "hidden states" if t.message.kind == "F" else "gradient"
+                    raise TsConfigError(
+                        f"pipeline stage {t.message.stage} sends micro-batch {t.message.microbatch}'s {what} as "
+                        f"{tensor.dtype} {tuple(tensor.shape)} where the receiving stage expects {self.dtype} {expected} "
+                        "(the stage's output must be the (batch, sequence, embed_dim) hidden states in the run's precision)")
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self.ranks[t.peer], self.group))
+            else:
+                received[t] = torch.empty(expected, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received[t], self.ranks[t.peer], self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received
 
 
 def run_steps(steps: Sequence[Step], channel: PipelineChannel, pipeline_rank: int, chunks: int,
               forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-              backward_loss: Callable[[int, torch.Tensor], int] | None = None,
-              stage_loss: Callable[[int, int, int], torch.Tensor | None] | None = None) -> None:
-    """Run one rank's ``steps``. ``forward(chunk, microbatch, input)`` runs a chunk on the micro-batch
-    (``input`` is ``None`` on global stage 0) and returns its output, on the last global stage the
-    loss to differentiate; ``backward_loss(microbatch, loss)`` differentiates that loss (the
-    optimizer's ``backward``, which applies fp16 loss scaling) and returns an integer that travels
-    back with the gradients (the micro-batch's sample size); on the other stages
-    ``stage_loss(chunk, microbatch, value)`` may give a scalar differentiated with the output (the
-    MoE layers' auxiliary losses, which need that integer). Without ``backward_loss`` the steps are
-    forward-only (validation): no gradient is kept."""
+              backward: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    """Run one rank's ``steps`` as :func:`~.pipeline_schedules.executor_program` issues them.
+    ``forward(chunk, microbatch, input)`` runs a chunk on the micro-batch (``input`` is ``None`` on
+    global stage 0) and returns its output, on the last global stage the loss to differentiate,
+    which ``backward(microbatch, loss)`` does (the optimizer's ``backward``, which applies fp16 loss
+    scaling); the other stages differentiate their output with the gradient received. Without
+    ``backward`` the steps are forward-only (validation): no gradient is kept."""
     p = len(channel.ranks)
     last = p * chunks - 1
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
-    for step in steps:
+    outgoing: dict[Transfer, torch.Tensor] = {}
+    received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, chunk, micro-batch) -> the step's input
+    for item in executor_program(steps, pipeline_rank, p, chunks):
+        if isinstance(item, Post):
+            for t, tensor in channel.exchange(item, outgoing).items():
+                g = t.message.stage + (1 if t.message.kind == "F" else -1)
+                received[t.message.kind, g // p, t.message.microbatch] = tensor
+            outgoing = {t: outgoing[t] for t in outgoing if t not in item.transfers}
+            continue
+        step = item
         key, g = (step.chunk, step.microbatch), global_stage(step.chunk, pipeline_rank, p)
         if step.kind == "F":
-            x = channel.recv((g - 1) % p)[0] if g > 0 else None
-            if x is not None and backward_loss is not None:
+            x = received.pop(("F", *key)) if g > 0 else None
+            if x is not None and backward is not None:
                 x.requires_grad_()
             out = forward(step.chunk, step.microbatch, x)
             if g < last:
-                channel.send(out, (g + 1) % p)
-            if backward_loss is not None:
+                outgoing[Transfer(True, (g + 1) % p, Message("F", g, step.microbatch))] = out
+            if backward is not None:
                 inputs[key], outputs[key] = x, out
             continue
         x, out = inputs.pop(key), outputs.pop(key)
         if g == last:
-            value = backward_loss(step.microbatch, out)
+            backward(step.microbatch, out)
         else:
-            grad, value = channel.recv((g + 1) % p)
-            extra = stage_loss(step.chunk, step.microbatch, value) if stage_loss is not None else None
-            if extra is None:
-                torch.autograd.backward(out, grad)
-            else:
-                torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
+            torch.autograd.backward(out, received.pop(("B", *key)))
         if g > 0:
-            channel.send(x.grad, (g - 1) % p, value)
-    channel.wait()
+            outgoing[Transfer(True, (g - 1) % p, Message("B", g, step.microbatch))] = x.grad

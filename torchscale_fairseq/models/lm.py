@@ -139,6 +139,11 @@ class TsLanguageModel(FairseqLanguageModel):
         return cls(TransformerDecoder(cfg, dictionary, embed_tokens, cross_attention=False,
                                       adaptive_softmax=adaptive_softmax))
 
+    def forward(self, src_tokens, pipeline_chunk: int = 0, pipeline_input=None, **kwargs):
+        """The decoder on ``src_tokens``; under pipeline parallelism its chunk ``pipeline_chunk`` on
+        ``pipeline_input``, the previous stage's hidden states."""
+        return self.decoder(src_tokens, pipeline_chunk=pipeline_chunk, pipeline_input=pipeline_input, **kwargs)
+
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         check_state_dict_shapes(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)

@@ -48,13 +48,16 @@ class MaskedLMEncoder(FairseqEncoder):
 
     def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
                 return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None,
-                vocab_parallel_logits: bool = False, **unused):
+                vocab_parallel_logits: bool = False, pipeline_chunk: int = 0,
+                pipeline_input: Optional[torch.Tensor] = None, **unused):
         """Logits over the real vocabulary; with ``vocab_parallel_logits`` this rank's
-        padded vocabulary slice (for the vocabulary-parallel ``masked_lm`` loss)."""
-        out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens)
+        padded vocabulary slice (for the vocabulary-parallel ``masked_lm`` loss). Under pipeline
+        parallelism chunk ``pipeline_chunk`` of the encoder runs on ``pipeline_input``."""
+        out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens,
+                           pipeline_chunk=pipeline_chunk, pipeline_input=pipeline_input)
         x = out["encoder_out"][0]
         extra = {"inner_states": out["encoder_states"], "moe": out["moe"]}
-        if features_only or not self.encoder.runs_last_stage:
+        if features_only or not self.encoder.split.is_last(pipeline_chunk):
             return x, extra
         if masked_tokens is not None:
             x = x[masked_tokens]

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchscale_fairseq.modules.moe.aux_loss import AuxLossScale
+
 
 @dataclass
 class RoutingStats:
@@ -39,14 +41,14 @@ class RoutingStats:
 class MoEAux:
     """What one MoE layer's forward returns beside its output (TorchScale's ``l_aux``):
     its ``tag``, the ``balance_loss`` and the router ``z_loss`` (scalar tensors), the routing
-    ``stats`` and the ``data_parallel_group`` its balance loss was counted over (``None``: the
-    local scope)."""
+    ``stats`` and the :class:`~.aux_loss.AuxLossScale` its losses were differentiated with
+    (``None``: none set), whose sample sizes weigh the logged figures."""
 
     tag: str
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
     stats: RoutingStats
-    data_parallel_group: object | None = None
+    scale: AuxLossScale | None = None
 
 
 def _real_weights(rows: int, real: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,10 @@ no expert; only experts that run one GEMM per expert read their row counts (one 
 none with grouped GEMMs). With expert parallelism the all-to-all's split sizes are the one read.
 
 The forward returns the output and an :class:`~.balance.MoEAux` (balance loss, router z-loss
-and routing statistics, see :mod:`.balance`), which the model passes up to the criterion.
+and routing statistics, see :mod:`.balance`), which the model passes up to the criterion for
+its logs. In training the output carries the auxiliary losses' gradients
+(:class:`~.aux_loss.MoEAuxLossAutoScaler`) with the :class:`~.aux_loss.AuxLossScale` set on the
+layer (``aux_loss_scale``) when it runs forward.
 
 Under activation checkpointing the layer's forward runs twice, the second time in backward
 with the random generators replayed (so the router draws the same noise and second
@@ -63,6 +66,7 @@ from torchscale_fairseq.model_parallel.mappings import (
 )
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
+from torchscale_fairseq.modules.moe.aux_loss import AuxLossScale, MoEAuxLossAutoScaler
 from torchscale_fairseq.modules.moe.balance import (
     MoEAux,
     RoutingStats,
@@ -122,13 +126,15 @@ class RecomputeMemo:
     """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
     recomputation in backward. ``counts``: rows per expert this rank dispatched; ``table``:
     every rank's counts (the all-gather); ``totals``: the balance loss's
-    :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``exchanged``: the
-    outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
+    :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``scale``: the auxiliary
+    losses' scale of the forward (another micro-batch's may be set by the recomputation);
+    ``exchanged``: the outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
 
     counts: torch.Tensor | None = None
     table: torch.Tensor | None = None
     totals: torch.Tensor | None = None
     stats: RoutingStats | None = None
+    scale: AuxLossScale | None = None
     exchanged: tuple[torch.Tensor, torch.Tensor] | None = None
     filled: bool = False
 
@@ -172,6 +178,7 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_load", torch.zeros(cfg.expert_count, dtype=torch.long), persistent=False)
         else:
             self.expert_bias = self.expert_load = None
+        self.aux_loss_scale: AuxLossScale | None = None  # set per micro-batch (aux_loss.set_aux_loss_scale)
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``bfloat16()`` keep the expert bias in fp32 (Megatron-core does too)."""
@@ -224,15 +231,18 @@ class MoELayer(nn.Module):
             if memo is not None:
                 memo.totals = totals
         stats = memo.stats if replay else routing_stats(probs, routing)
+        scale = memo.scale if replay else self.aux_loss_scale
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
-        aux = MoEAux(self.tag, loss, router_z_loss(scores, real), stats, group)
+        aux = MoEAux(self.tag, loss, router_z_loss(scores, real), stats, scale)
         out = self.dispatch_combine(tokens, routing, memo)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
+        if scale is not None and torch.is_grad_enabled():
+            out = MoEAuxLossAutoScaler.apply(out, aux.balance_loss, aux.z_loss, scale.balance, scale.z)
         if memo is not None:
-            memo.stats, memo.filled = stats, True
+            memo.stats, memo.scale, memo.filled = stats, scale, True
         return out.view(shape), aux
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
