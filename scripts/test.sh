@@ -9,7 +9,7 @@ cd "$ROOT"
 "$ROOT/.venv/bin/python" -m compileall -q -j 0 torchscale_fairseq tests data_prep scripts benchmarks experiments >/dev/null
 # Without arguments: the whole suite on two pytest-xdist workers, one test file per worker at a time
 # (`--dist loadfile`: a file's module fixtures are built once). Nearly every process the suite starts
-# runs one thread (tests/cli_utils.py), so one pytest process leaves the second core idle between
+# runs one thread (tests/helpers/cli_utils.py), so one pytest process leaves the second core idle between
 # the multi-process tests. TS_TEST_WORKERS=0: one process, as before.
 if [ $# -eq 0 ]; then
   WORKERS="${TS_TEST_WORKERS:-2}"

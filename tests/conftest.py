@@ -69,7 +69,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def lm_data(tmp_path_factory) -> Path:
     """Tiny binarised monolingual data, built once per session; tests only read it."""
-    from tests.cli_utils import make_lm_data
+    from tests.helpers.cli_utils import make_lm_data
 
     return make_lm_data(tmp_path_factory.mktemp("lm"))
 
@@ -77,6 +77,6 @@ def lm_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def mt_data(tmp_path_factory) -> Path:
     """Tiny binarised parallel data (joined dictionary), built once per session; tests only read it."""
-    from tests.cli_utils import make_mt_data
+    from tests.helpers.cli_utils import make_mt_data
 
     return make_mt_data(tmp_path_factory.mktemp("mt"))

@@ -1,7 +1,7 @@
 """A real tensor-parallel x expert-parallel checkpoint, trained once per session:
 ``fairseq-train`` on 4 gloo processes (``--model-parallel-size 2``, 2 data-parallel
 ranks holding 1 of 2 experts each), plus the 4-process model's log-probabilities on a
-fixed batch (:mod:`tests.checkpoints.tp_ep_worker`)."""
+fixed batch (:mod:`tests.workers.tp_ep_worker`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, launch, wait_all
-from tests.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import LM_TRAIN
+from tests.helpers.mp_helpers import USER_DIR, dist_flags, launch, wait_all
+from tests.helpers.rendezvous import rendezvous_url
 
 WORLD, TP = 4, 2
 TRAIN = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
@@ -29,7 +29,7 @@ def tp_ep_run(lm_data, tmp_path_factory) -> dict:
     procs, logs = [], []
     for rank in range(WORLD):
         log = root / f"rank{rank}.log"
-        cmd = [sys.executable, "-m", "tests.checkpoints.tp_ep_worker", str(reference), "fairseq-train", str(lm_data),
+        cmd = [sys.executable, "-m", "tests.workers.tp_ep_worker", str(reference), "fairseq-train", str(lm_data),
                *TRAIN, "--save-dir", str(save), "--user-dir", str(USER_DIR), *dist_flags(WORLD, rank, init_method)]
         procs.append(launch(cmd, log))
         logs.append(log)

@@ -10,7 +10,7 @@ import torch
 from fairseq import checkpoint_utils, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from tests.cli_utils import USER_DIR
+from tests.helpers.cli_utils import USER_DIR
 from torchscale_fairseq.checkpoints.layout import EXPERT_RECORD_KEY, RECORD_KEY
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.trainer import TsTrainer

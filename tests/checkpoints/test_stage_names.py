@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from tests.model_utils import args, dictionary
+from tests.helpers.model_utils import args, dictionary
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.decoder import TransformerDecoder
 from torchscale_fairseq.architecture.embedding import build_token_embedding

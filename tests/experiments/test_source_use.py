@@ -12,7 +12,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from tests.cli_utils import MT_TRAIN, USER_DIR, json_logs, run, tool
+from tests.helpers.cli_utils import MT_TRAIN, USER_DIR, json_logs, run, tool
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "experiments"))

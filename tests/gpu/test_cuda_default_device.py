@@ -1,6 +1,6 @@
 """Built under a CUDA default device (``torch.set_default_device("cuda")``, as
-``tests/model_parallel/layer_worker.py ... cuda`` builds), every model of
-``tests/foundation/test_default_device.py`` (ts_lm with X-MoE at tensor-parallel size 1 first)
+``tests/workers/layer_worker.py ... cuda`` builds), every model of
+``tests/test_device_init.py`` (ts_lm with X-MoE at tensor-parallel size 1 first)
 holds bit for bit the parameters and buffers of its CPU build with the same seed, on the GPU, and
 consumes the CPU generator as the CPU build does (``device_init.py``)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.foundation.test_default_device import MODELS, build_seeded
+from tests.test_device_init import MODELS, build_seeded
 
 pytestmark = pytest.mark.gpu
 

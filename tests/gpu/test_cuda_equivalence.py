@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from tests.cli_utils import MT_TRAIN, USER_DIR, run, run_many, tool
-from tests.model_utils import build, dictionary
+from tests.helpers.cli_utils import MT_TRAIN, USER_DIR, run, run_many, tool
+from tests.helpers.model_utils import build, dictionary
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, json_logs, run_many, tool
+from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, json_logs, run_many, tool
 from torchscale_fairseq.model_parallel.linear_cross_entropy import linear_cross_entropy
 
 pytestmark = pytest.mark.gpu

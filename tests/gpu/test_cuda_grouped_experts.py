@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe.test_experts import assert_bf16_expert_gemms_near_float64
+from tests.modules.moe.test_experts import assert_bf16_expert_gemms_near_float64
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GradBuffers, GroupedLinear, grouped_mm_fits

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from tests.cli_utils import REPO, run, run_many
-from tests.model_parallel.mp_helpers import run_worker_ranks
-from tests.moe.test_distributed import EXPERT_PARALLEL_EQUIVALENCE
-from tests.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import REPO, run, run_many
+from tests.helpers.mp_helpers import run_worker_ranks
+from tests.helpers.rendezvous import rendezvous_url
+from tests.modules.moe.test_distributed import EXPERT_PARALLEL_EQUIVALENCE
 from torchscale_fairseq.model_parallel import random as tp_random
 from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_parallel_seed
 
@@ -45,7 +45,7 @@ def test_expert_parallel_on_cuda_equals_single_process(tmp_path, lm_data):
     different losses: 1.5e-4 apart after one update, as on the CPU)."""
     flags = ["--moe-expert-count", "4", "--moe-top-k", "2", *EXPERT_PARALLEL_EQUIVALENCE]
     outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
-    run_many([["env", "TS_HARNESS_DEVICE=cuda", sys.executable, "-m", "tests.moe.dist_harness", outs[world],
+    run_many([["env", "TS_HARNESS_DEVICE=cuda", sys.executable, "-m", "tests.workers.dist_harness", outs[world],
                str(world), lm_data, *flags] for world in (1, 2)])
     one, two = (torch.load(outs[w], map_location="cpu") for w in (1, 2))
     assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
@@ -55,7 +55,7 @@ def test_expert_parallel_on_cuda_equals_single_process(tmp_path, lm_data):
 
 
 def test_nccl_collectives_at_world_size_one(tmp_path):
-    proc = run([sys.executable, "-m", "tests.gpu.nccl_worker", rendezvous_url(tmp_path)], cwd=REPO)
+    proc = run([sys.executable, "-m", "tests.workers.nccl_worker", rendezvous_url(tmp_path)], cwd=REPO)
     assert "ok" in proc.stdout
 
 

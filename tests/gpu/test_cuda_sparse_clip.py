@@ -1,4 +1,4 @@
-"""X-MoE with SparseClip on CUDA in fairseq's real trainer (``tests.moe.dist_harness``):
+"""X-MoE with SparseClip on CUDA in fairseq's real trainer (``tests.workers.dist_harness``):
 under ``--fp16`` (one flat fp32 master) and ``--bf16`` (flat and per-parameter) the
 clipped and logged norms are taken on unscaled gradients: the first clipped norm matches
 the fp32 run's, and every logged ``gnorm`` follows the fp32 formula that
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.cli_utils import run_many
+from tests.helpers.cli_utils import run_many
 from tests.optim.test_sparse_clip_training import MOE, SPARSE
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +33,7 @@ def runs(tmp_path_factory, lm_data) -> dict:
     cmds = []
     for name in names:
         device = "TS_HARNESS_DEVICE=" + ("cpu" if name == "fp32-cpu" else "cuda")
-        cmds.append(["env", device, sys.executable, "-m", "tests.moe.dist_harness", root / f"{name}.pt", "1",
+        cmds.append(["env", device, sys.executable, "-m", "tests.workers.dist_harness", root / f"{name}.pt", "1",
                      lm_data, *MOE, *SPARSE, *SAME_ROUTES, *MODES.get(name, [])])
     run_many(cmds)
     return {name: torch.load(root / f"{name}.pt", map_location="cpu") for name in names}

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, json_logs, run_many, tool
-from tests.foundation.test_cli_train import MLM_TRAIN
+from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, json_logs, run_many, tool
+from tests.models.test_cli_train import MLM_TRAIN
 
 pytestmark = pytest.mark.gpu
 

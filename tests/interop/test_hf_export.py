@@ -8,7 +8,7 @@ backbone, dense and X-MoE; the exported tokenizers (GPT-2 BPE; SentencePiece of 
 
 The checks that export and load a folder run twice (parameter ``hf``): with the installed (newest)
 transformers in this process, and with the lowest supported one (the floor,
-``torchscale_fairseq/interop/transformers-floor.txt``) in a worker process (``tests/interop/hf_side.py``).
+``torchscale_fairseq/interop/transformers-floor.txt``) in a worker process (``tests/helpers/hf_side.py``).
 The fairseq side, the reference, always runs here."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ pytest.importorskip("transformers", reason="needs the export extra: pip install 
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 
-from tests.interop import hf_side  # noqa: E402
-from tests.model_utils import FakeTask, dictionary  # noqa: E402
-from tests.model_utils import args as model_args
+from tests.helpers import hf_side  # noqa: E402
+from tests.helpers.model_utils import FakeTask, dictionary  # noqa: E402
+from tests.helpers.model_utils import args as model_args
 from torchscale_fairseq.errors import TsConfigError  # noqa: E402
 from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
 from torchscale_fairseq.models.lm import TsLanguageModel  # noqa: E402
@@ -172,7 +172,7 @@ def floor_worker(tmp_path_factory):
 
 @pytest.fixture(params=["installed", "floor"])
 def hf(request):
-    """The transformers half of a check (:mod:`tests.interop.hf_side`'s functions), run with the
+    """The transformers half of a check (:mod:`tests.helpers.hf_side`'s functions), run with the
     installed transformers or with the floor one."""
     return hf_side if request.param == "installed" else request.getfixturevalue("floor_worker")
 

@@ -3,7 +3,7 @@ gives the same logits as ``ts_lm`` (loaded as ``fairseq-eval-lm`` loads it) and 
 ``ts-export-hf``; ``fairseq-train --restore-file`` takes the import.
 
 TorchScale imports ``fairscale`` and ``timm`` at module level; where they are not installed the
-tests put the two-function doubles of ``tests/interop/doubles`` on the path while importing it."""
+tests put the two-function doubles of ``tests/doubles`` on the path while importing it."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from fairseq.data import Dictionary  # noqa: E402
 from fairseq.modules import PositionalEmbedding  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from tests.cli_utils import USER_DIR, run_many, tool  # noqa: E402
-from tests.model_utils import dictionary  # noqa: E402
+from tests.helpers.cli_utils import USER_DIR, run_many, tool  # noqa: E402
+from tests.helpers.model_utils import dictionary  # noqa: E402
 from torchscale_fairseq.errors import TsConfigError  # noqa: E402
 from torchscale_fairseq.interop.hf_export import export_hf  # noqa: E402
 from torchscale_fairseq.interop.torchscale_import import import_torchscale  # noqa: E402
 
-DOUBLES = str(Path(__file__).parent / "doubles")
+DOUBLES = str(Path(__file__).resolve().parents[1] / "doubles")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def torchscale_moe(torchscale, tmp_path, monkeypatch):
     import torch.distributed as dist
     from torchscale.component.xmoe import global_groups
 
-    from tests.rendezvous import leave_process_group, rendezvous_url
+    from tests.helpers.rendezvous import leave_process_group, rendezvous_url
 
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda x, *args, **kw: histc(x.float(), *args, **kw))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import make_corpora, relative_close, run_jobs, train_records
 
+from tests.helpers.mp_helpers import make_corpora, relative_close, run_jobs, train_records
 from torchscale_fairseq.cli import reshard
 
 UPDATES = 6

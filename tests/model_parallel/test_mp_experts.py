@@ -8,12 +8,12 @@ the other, or an expert FFN width the tensor-parallel size does not divide, is o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from mp_helpers import run_worker_ranks
 
-WORKER = Path(__file__).resolve().parent / "expert_worker.py"
+from tests.helpers.cli_utils import WORKERS
+from tests.helpers.mp_helpers import run_worker_ranks
+
+WORKER = WORKERS / "expert_worker.py"
 TOL = 1e-5
 
 

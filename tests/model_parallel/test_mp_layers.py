@@ -10,12 +10,12 @@ layer (output slice, balance loss, gradients)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from mp_helpers import run_worker_ranks
 
-WORKER = Path(__file__).resolve().parent / "layer_worker.py"
+from tests.helpers.cli_utils import WORKERS
+from tests.helpers.mp_helpers import run_worker_ranks
+
+WORKER = WORKERS / "layer_worker.py"
 TOL = 1e-5
 
 

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import assert_replicated_across_parts, make_corpora, relative_close, run_jobs, train_records
 
+from tests.helpers.mp_helpers import assert_replicated_across_parts, make_corpora, relative_close, run_jobs, train_records
 from torchscale_fairseq.cli import consolidate_experts, reshard
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 

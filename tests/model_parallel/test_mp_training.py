@@ -35,7 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import (
+
+from tests.helpers.mp_helpers import (
     BIN,
     USER_DIR,
     assert_replicated_across_parts,
@@ -45,7 +46,6 @@ from mp_helpers import (
     run_jobs,
     train_records,
 )
-
 from torchscale_fairseq.cli import reshard
 
 UPDATES = 20

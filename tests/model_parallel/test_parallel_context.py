@@ -7,11 +7,11 @@ expert-parallel size or one), their members found by an all-reduce inside each g
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-from cleared_context_cli import CLEARED
-from mp_helpers import (
+
+from tests.helpers.cli_utils import WORKERS
+from tests.helpers.mp_helpers import (
     USER_DIR,
     dist_flags,
     fairseq_ranks,
@@ -22,8 +22,8 @@ from mp_helpers import (
     train_records,
     wait_all,
 )
-
-from tests.rendezvous import rendezvous_url
+from tests.helpers.rendezvous import rendezvous_url
+from tests.workers.cleared_context_cli import CLEARED
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel import parallel_context
 from torchscale_fairseq.model_parallel.parallel_context import (
@@ -34,8 +34,8 @@ from torchscale_fairseq.model_parallel.parallel_context import (
     set_parallel_context,
 )
 
-WORKER = Path(__file__).resolve().parent / "context_worker.py"
-CLEARED_CLI = Path(__file__).resolve().parent / "cleared_context_cli.py"
+WORKER = WORKERS / "context_worker.py"
+CLEARED_CLI = WORKERS / "cleared_context_cli.py"
 SIZES = [(1, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1), (4, 1, 2), (8, 2, 2), (8, 1, 4), (12, 3, 2), (16, 2, 4), (6, 1, 3)]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rendezvous import rendezvous_url, start_ranks
+from tests.helpers.rendezvous import rendezvous_url, start_ranks
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineChannel, run_steps
 from torchscale_fairseq.model_parallel.pipeline_schedules import (

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.model_utils import build
+from tests.helpers.model_utils import build
 from torchscale_fairseq.errors import TsConfigError
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_helpers import REPO, UNROUNDED, USER_DIR, launch, make_corpora, relative_close, run_jobs, train_records
 
+from tests.helpers.mp_helpers import REPO, UNROUNDED, USER_DIR, launch, make_corpora, relative_close, run_jobs, train_records
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 
 UPDATES = 4

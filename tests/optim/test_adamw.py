@@ -28,9 +28,9 @@ from fairseq.optim import build_optimizer
 from fairseq.optim.adam import Adam, FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from tests.cli_utils import LM_TRAIN, run_many
-from tests.model_parallel.mp_helpers import UNROUNDED, USER_DIR, dist_flags, launch, train_records, wait_all
-from tests.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import LM_TRAIN, WORKERS, run_many
+from tests.helpers.mp_helpers import UNROUNDED, USER_DIR, dist_flags, launch, train_records, wait_all
+from tests.helpers.rendezvous import rendezvous_url
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.optim.adamw import TsAdamW, TsAdamWConfig, choose_impl
 
@@ -293,7 +293,7 @@ def test_memory_efficient_fp16_is_refused_in_one_line(runs):
 def test_zero_sharding_equals_unsharded(lm_data, tmp_path):
     """Two data-parallel ranks, with and without ``--zero-sharding os``: the same losses as
     logged, and each sharded rank holds moments for part of the parameters."""
-    zero_cli = Path(__file__).resolve().parent / "zero_cli.py"
+    zero_cli = WORKERS / "zero_cli.py"
     runs = {}
     for name, flags in (("ref", []), ("zero", ["--zero-sharding", "os"])):
         url = rendezvous_url(tmp_path / name)

@@ -11,8 +11,8 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.optim import FP16Optimizer
 
-from tests.cli_utils import USER_DIR
-from tests.moe.dist_harness import sample_of
+from tests.helpers.cli_utils import USER_DIR
+from tests.workers.dist_harness import sample_of
 from torchscale_fairseq.integration.trainer import TsTrainer
 from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
 

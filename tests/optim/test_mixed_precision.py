@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, json_logs, run_many, tool
+from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, json_logs, run_many, tool
 
 UPDATES = 4
 MODELS = {

@@ -12,8 +12,8 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.optim import build_optimizer
 
-from tests.cli_utils import USER_DIR
-from tests.moe.dist_harness import sample_of
+from tests.helpers.cli_utils import USER_DIR
+from tests.workers.dist_harness import sample_of
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.clip_grad_norm import use_parallel_context
 from torchscale_fairseq.integration.trainer import TsTrainer

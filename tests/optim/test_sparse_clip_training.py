@@ -1,8 +1,8 @@
-"""SparseClip inside fairseq's real ``Trainer`` (tests.moe.dist_harness): precision
+"""SparseClip inside fairseq's real ``Trainer`` (tests.workers.dist_harness): precision
 modes that run on CPU, and equality with vanilla ``--clip-norm`` at E=1.
 
 The distributed norms (expert-parallel E=4 and data-parallel E=1 replicas, 2 gloo ranks
-vs 1 process) are asserted in ``tests/moe/test_distributed.py``, which trains with
+vs 1 process) are asserted in ``tests/modules/moe/test_distributed.py``, which trains with
 ``--optimizer sparse_clip``. ``--bf16`` runs on CPU with ``--fp16-no-flatten-grads``
 (fairseq 0.12 makes it a TPU run; the plugin clears that, see
 ``integration/bf16_device.py``); flattened ``--fp16`` runs on CPU too (fairseq's flat
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from tests.cli_utils import run_many
+from tests.helpers.cli_utils import run_many
 
 MOE = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy", "--clip-norm", "0.5"]
 SPARSE = ["--optimizer", "sparse_clip", "--sparse-clip-base", "adam"]
@@ -37,7 +37,7 @@ RUNS = [(*MOE, *SPARSE), *[(*MOE, *SPARSE, *mode) for mode in MODES], (*ONE_EXPE
 def harness(tmp_path_factory, lm_data):
     """Every run of this module, made a few at a time up front; ``harness(*flags)`` gives one."""
     outs = [tmp_path_factory.mktemp("run") / "out.pt" for _ in RUNS]
-    run_many([[sys.executable, "-m", "tests.moe.dist_harness", out, "1", lm_data, *flags]
+    run_many([[sys.executable, "-m", "tests.workers.dist_harness", out, "1", lm_data, *flags]
               for out, flags in zip(outs, RUNS)])
     cache = {flags: torch.load(out) for flags, out in zip(RUNS, outs)}
     return lambda *flags: cache[flags]

@@ -24,13 +24,13 @@ import pytest
 import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
-from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import USER_DIR, dist_flags, launch, train_records, wait_all
-from tests.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import LM_TRAIN, WORKERS
+from tests.helpers.mp_helpers import USER_DIR, dist_flags, launch, train_records, wait_all
+from tests.helpers.rendezvous import rendezvous_url
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.optim.zero import assign_owners, check_zero_sharding
 
-ZERO_CLI = Path(__file__).resolve().parent / "zero_cli.py"
+ZERO_CLI = WORKERS / "zero_cli.py"
 UPDATES = 4
 TINY = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", "2"]

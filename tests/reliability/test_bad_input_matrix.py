@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, run_many, tool
-from tests.reliability.bad_inputs import CASES, render_troubleshooting
+from tests.helpers.bad_inputs import CASES, render_troubleshooting
+from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, run_many, tool
 
 REPO = Path(__file__).resolve().parents[2]
 

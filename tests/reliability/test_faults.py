@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_utils import LM_TRAIN, USER_DIR, cli_env, last_error_line, run, tool
-from tests.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, WORKERS, cli_env, last_error_line, run, tool
+from tests.helpers.rendezvous import rendezvous_url
 
-HERE = Path(__file__).resolve().parent
 TRAIN = [*LM_TRAIN, "--arch", "ts_lm_tiny", "--disable-validation", "--log-interval", "1"]
 
 
 @pytest.mark.parametrize("precision", [[], ["--memory-efficient-fp16"]], ids=["fp32", "memory-efficient-fp16"])
 def test_nonfinite_gradients_skip_one_update_and_training_goes_on(lm_data, tmp_path, precision):
-    proc = run([sys.executable, HERE / "inject_nonfinite.py", "3", lm_data, "--user-dir", USER_DIR, "--save-dir",
+    proc = run([sys.executable, WORKERS / "inject_nonfinite.py", "3", lm_data, "--user-dir", USER_DIR, "--save-dir",
                 tmp_path, "--max-update", "6", "--no-save", *TRAIN, *precision])
     steps = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("STEP ")]
     out = proc.stdout + proc.stderr

@@ -6,16 +6,15 @@ import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
-from tests import prewarmed
-from tests.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, json_logs, run, tool
+from tests.helpers import prewarmed
+from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, WORKERS, cli_env, json_logs, run, tool
 
-STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
+STALL_CLI = WORKERS / "stall_cli.py"
 MAX_UPDATE = 12
 COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", "4", "--log-interval", "1",
           "--disable-validation", "--dropout", "0.1"]

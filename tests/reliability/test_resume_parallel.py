@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
-from tests.cli_utils import LM_TRAIN
-from tests.model_parallel.mp_helpers import (
+from tests.helpers.cli_utils import LM_TRAIN, WORKERS
+from tests.helpers.mp_helpers import (
     BIN,
     USER_DIR,
     assert_replicated_across_parts,
@@ -38,9 +38,9 @@ from tests.model_parallel.mp_helpers import (
     launch,
     run_fairseq,
 )
-from tests.rendezvous import rendezvous_url
+from tests.helpers.rendezvous import rendezvous_url
 
-STALL_CLI = Path(__file__).resolve().parent / "stall_cli.py"
+STALL_CLI = WORKERS / "stall_cli.py"
 
 ARGS = ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--max-update", "12", "--save-interval-updates", "4",
         "--log-interval", "1", "--disable-validation", "--dropout", "0.1", "--attention-dropout", "0.1",

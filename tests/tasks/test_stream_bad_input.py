@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import last_error_line, run, tool
+from tests.helpers.cli_utils import last_error_line, run, tool
+from tests.helpers.stream_data import make_stream_data, write_index, write_shard
 from tests.tasks.conftest import USER_DIR
-from tests.tasks.stream_data import make_stream_data, write_index, write_shard
 from torchscale_fairseq.data import gpt2_bpe
 from torchscale_fairseq.data.stream_index import load_index
 from torchscale_fairseq.errors import TsConfigError

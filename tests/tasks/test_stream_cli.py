@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from data_prep import prepare_lm
-from tests import prewarmed
-from tests.cli_utils import json_logs, run, tool
+from tests.helpers import prewarmed
+from tests.helpers.cli_utils import WORKERS, json_logs, run, tool
+from tests.helpers.stream_data import make_docs, write_shard
 from tests.tasks.conftest import USER_DIR, build_task
-from tests.tasks.stream_data import make_docs, write_shard
 from torchscale_fairseq.data import gpt2_bpe
 
-STALL_CLI = Path(__file__).resolve().parents[1] / "reliability" / "stall_cli.py"
+STALL_CLI = WORKERS / "stall_cli.py"
 
 TRAIN = ["--user-dir", USER_DIR, "--task", "streaming_lm", "--arch", "ts_lm_tiny", "--tokens-per-sample", "32",
          "--optimizer", "adam", "--lr", "1e-3", "--batch-size", "8", "--batches-per-epoch", "4", "--num-workers", "2",

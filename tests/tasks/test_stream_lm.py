@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.stream_data import make_docs, make_stream_data, write_index, write_shard
 from tests.tasks.conftest import batches
-from tests.tasks.stream_data import make_docs, make_stream_data, write_index, write_shard
 from torchscale_fairseq.data import gpt2_bpe
 from torchscale_fairseq.data.document_encoders import GPT2Documents
 from torchscale_fairseq.data.lm_stream import CorpusStream, Cursor, shard_order
@@ -164,13 +164,13 @@ def test_valid_split_holds_every_token_once(tmp_path: Path, task_factory) -> Non
 def test_data_parallel_resume_from_rank0_state_without_per_batch_gathers(tmp_path: Path, repo_root: Path) -> None:
     """Two gloo ranks: a checkpoint state taken on rank 0 alone, mid-epoch, resumes *each* rank
     with its own next unseen batch; the positions are gathered once per epoch, not per batch."""
-    from tests.cli_utils import run
-    from tests.rendezvous import rendezvous_url
+    from tests.helpers.cli_utils import run
+    from tests.helpers.rendezvous import rendezvous_url
     from tests.tasks import dp_resume_worker as worker
 
     make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
     out = tmp_path / "result"
-    run([sys.executable, "-m", "tests.tasks.dp_resume_worker", tmp_path, out, rendezvous_url(tmp_path)], cwd=repo_root)
+    run([sys.executable, "-m", "tests.workers.dp_resume_worker", tmp_path, out, rendezvous_url(tmp_path)], cwd=repo_root)
     results = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(worker.WORLD)]
     for result in results:
         assert len(result["resumed"]) == len(result["full"]) == worker.FULL

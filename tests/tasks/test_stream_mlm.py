@@ -11,9 +11,9 @@ import torch
 from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE, SentencepieceConfig
 
 from data_prep import train_spm
-from tests.cli_utils import json_logs, last_error_line, run, tool
+from tests.helpers.cli_utils import json_logs, last_error_line, run, tool
+from tests.helpers.stream_data import make_docs, make_stream_data, write_index, write_shard
 from tests.tasks.conftest import USER_DIR, batches
-from tests.tasks.stream_data import make_docs, make_stream_data, write_index, write_shard
 from torchscale_fairseq.data.span_masking import span_mask_positions
 
 T = 16

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tests.tasks.stream_data import make_stream_data
+from tests.helpers.stream_data import make_stream_data
 from torchscale_fairseq.integration.trainer import TsTrainer
 
 

@@ -21,14 +21,14 @@ import torch
 
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from data_prep import train_spm
-from tests import prewarmed
-from tests.cli_utils import cli_env, json_logs, tool
-from tests.rendezvous import rendezvous_url
+from tests.helpers import prewarmed
+from tests.helpers.cli_utils import WORKERS, cli_env, json_logs, tool
+from tests.helpers.rendezvous import rendezvous_url
+from tests.helpers.stream_data import make_stream_data
 from tests.tasks.conftest import USER_DIR, batches
-from tests.tasks.stream_data import make_stream_data
 from torchscale_fairseq.errors import TsConfigError
 
-STALL_CLI = Path(__file__).resolve().parents[1] / "reliability" / "stall_cli.py"
+STALL_CLI = WORKERS / "stall_cli.py"
 EPOCH, SAVE_EVERY, MAX_UPDATE = 4, 3, 6  # kill after the checkpoint of update 3, mid-epoch 1
 COMMON = ["--user-dir", USER_DIR, "--tokens-per-sample", "16", "--batch-size", "4", "--batches-per-epoch", str(EPOCH),
           "--save-interval-updates", str(SAVE_EVERY), "--max-update", str(MAX_UPDATE), "--optimizer", "adam",

@@ -1,7 +1,7 @@
 """The one place where the plugin changes fairseq (importing the package calls
 :func:`install` once). :data:`REPLACED` lists every fairseq attribute the plugin
 replaces and why; the README's table is this list, and
-``tests/foundation/test_fairseq_seam.py`` checks it against what importing the plugin
+``tests/integration/test_fairseq_seam.py`` checks it against what importing the plugin
 actually changes.
 """
 

@@ -1,0 +1,215 @@
+"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), also at MP=2 (tensor
+parallel, gloo; MoE with experts replicated over the two parts) and the dense LM at PP=2 (two
+pipeline stages; evaluate.sh merges them), then ts-plot-logs on the logs, and
+scripts/demo.sh at toy size on the same data (its baselines against sacrebleu and the formula)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sacrebleu
+import torch
+
+from data_prep import prepare_lm, prepare_nmt, unigram_ppl
+from tests.data_prep.test_prepare_nmt import EN, ES
+from torchscale_fairseq.cli import plot_logs
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(sys.executable).parent.parent
+TRAININGS = {
+    "lm_dense": ("lm/train_dense.sh", {"BACKBONE": "deepnorm", "LAYERS": "3"}),
+    "lm_moe": ("lm/train_moe.sh", {"EXPERTS": "2", "CLIP": "vanilla"}),
+    "nmt_dense": ("nmt/train_dense.sh", {"BACKBONE": "postln"}),
+    "nmt_moe": ("nmt/train_moe.sh", {"EXPERTS": "2", "CLIP": "sparse"}),
+    "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "sparse", "MP": "2"}),
+    "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
+    "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
+}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "VENV": str(VENV), "SCALE": "tiny", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
+
+
+def _start(script: str, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
+    outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny LM and NMT data, the four training recipes run side by side, then the two evaluations each."""
+    root = tmp_path_factory.mktemp("scripts")
+    docs = "\n\n".join(f"{EN[i]}\n{EN[i + 1]} {EN[i + 2]}" for i in range(0, 57, 3))
+    (root / "lm.txt").write_text(docs + "\n", encoding="utf-8")
+    prepare_lm.main(["--train-text", str(root / "lm.txt"), "--out-dir", str(root / "lm-bin"), "--workers", "1",
+                     "--valid-fraction", "0.1", "--test-fraction", "0.1"])
+    (root / "all.en").write_text("\n".join(EN) + "\n", encoding="utf-8")
+    (root / "all.es").write_text("\n".join(ES) + "\n", encoding="utf-8")
+    prepare_nmt.main(["--train-src", str(root / "all.en"), "--train-tgt", str(root / "all.es"), "--out-dir",
+                      str(root / "nmt-bin"), "--valid-size", "5", "--test-size", "4", "--vocab-size", "120",
+                      "--workers", "1"])
+    saves = {name: root / name for name in TRAININGS}
+    common = {"MAX_UPDATE": "3", "LOG_INTERVAL": "1"}
+    data = {name: str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")) for name in TRAININGS}
+    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]),
+                          **common, **extra) for name, (script, extra) in TRAININGS.items()})
+    _finish({name: _start(f"{name.split('_')[0]}/evaluate.sh", DATA=data[name], SAVE_DIR=str(saves[name]), BEAM="1",
+                          MAX_LEN_B="8", MP=extra.get("MP", "1"))
+             for name, (_, extra) in TRAININGS.items()})
+    return saves
+
+
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2"])
+def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
+    save = runs[name]
+    parts = {"lm_moe_mp2": ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"],
+             "lm_dense_pp2": ["checkpoint_best-stage0.pt", "checkpoint_best-stage1.pt",
+                              "checkpoint_best.one_stage.pt"]}.get(name, ["checkpoint_best.pt"])
+    assert sorted(p.name for p in save.glob("checkpoint_best*.pt")) == parts
+    log = plot_logs.parse_log(save / "train.log")
+    assert [r["num_updates"] for r in log.records["train_inner"]] == ["1", "2", "3"]
+    assert log.records["valid"][-1]["valid_num_updates"] == "3"
+    if name.startswith("lm_moe"):
+        assert "moe_entropy" in log.records["train_inner"][-1]
+    fields = dict(line.split(" ", 1) for line in (save / "eval_test.txt").read_text().splitlines())
+    ppl, loss2 = float(fields["perplexity"]), float(fields["loss_base2"])
+    assert fields["subset"] == "test" and ppl > 1
+    assert ppl == pytest.approx(2**loss2, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["nmt_dense", "nmt_moe", "nmt_dense_mp2"])
+def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name: str) -> None:
+    save = runs[name]
+    if name.endswith("mp2"):
+        assert (save / "checkpoint_best-model_part-1.pt").is_file() and not (save / "checkpoint_best.pt").exists()
+    hyps = (save / "hyp_test.es").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 4
+    scores = dict(line.split(" ", 1) for line in (save / "bleu_test.txt").read_text().splitlines())
+    refs = ES[-4:]
+    assert float(scores["bleu"]) == pytest.approx(round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2))
+    assert float(scores["chrf"]) == pytest.approx(round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
+    log = plot_logs.parse_log(save / "train.log")
+    if name == "nmt_moe":
+        last = log.records["train_inner"][-1]
+        assert {"moe_entropy", "gnorm_dense", "gnorm_expert", "clip"} <= set(last)
+
+
+def test_evaluating_parts_at_another_mp_is_one_line(runs: dict[str, Path]) -> None:
+    save = runs["lm_moe_mp2"]
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "lm/evaluate.sh")], capture_output=True, text=True,
+                          env=_env(DATA=str(save.parent / "lm-bin"), SAVE_DIR=str(save)), timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was saved at MP=2: evaluate it with MP=2" in lines[0], proc.stderr
+
+
+def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: Path) -> None:
+    logs = [str(runs[name] / "train.log") for name in TRAININGS]
+    written = plot_logs.main([*logs, "--out-dir", str(tmp_path)])
+    assert sorted(p.name for p in written) == ["clipping.png", "routing_entropy.png", "valid_ppl.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    log = plot_logs.parse_log(runs["nmt_moe"] / "train.log")
+    clips = [float(r["clip"]) for r in log.records["train_inner"]]
+    assert plot_logs.clipped_updates(log) == ([1.0, 2.0, 3.0], pytest.approx(
+        [sum(clips[: i + 1]) / 100 for i in range(3)]))
+    dense = plot_logs.parse_log(runs["lm_dense"] / "train.log")
+    assert plot_logs.entropy_keys(dense) == []
+
+
+def test_unigram_baseline_is_the_add_one_formula() -> None:
+    """p(w) = (c(w) + 1) / (N + V): train [5, 5, 6] over V = 4 gives p(5) = 3/7, p(6) = 2/7."""
+    ppl = unigram_ppl.unigram_perplexity(np.array([5, 5, 6]) - 3, np.array([5, 6]) - 3, 4)
+    assert ppl == pytest.approx(math.exp(-(math.log(3 / 7) + math.log(2 / 7)) / 2))
+
+
+def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path], capsys) -> None:
+    """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, installed venv reused."""
+    root = runs["lm_dense"].parent
+    env = _env(SKIP_INSTALL="1", DATA_DIR=str(root / "lm-bin"), SAVE_DIR=str(root / "demo_lm"), MAX_UPDATE="3",
+               TOKENS_PER_SAMPLE="16", BATCH_SIZE="4", VALIDATE_INTERVAL="3", LOG_INTERVAL="1", SAMPLE_LEN="4",
+               ARCH="ts_lm_tiny", NMT_DATA=str(root / "nmt-bin"), NMT_SAVE_DIR=str(root / "demo_nmt"),
+               NMT_MAX_UPDATE="3", NMT_EXPERTS="2", NMT_EMBED_DIM="32", NMT_FFN_DIM="64", NMT_MAX_TOKENS="512",
+               NMT_BEAM="1", PLOT_DIR=str(root / "demo_plots"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = dict(line.split(":", 1) for line in proc.stdout.split("demo summary")[1].splitlines() if ": " in line)
+    assert "adaptive input/softmax at 2000,10000, 3 updates" in summary["model"]
+    unigram = unigram_ppl.main([str(root / "lm-bin"), "--subset", "valid"])
+    assert f"perplexity {unigram:.1f} for word frequencies alone" in proc.stdout
+    copy_bleu, copy_chrf = (round(m(EN[-4:], [ES[-4:]]).score, 2) for m in (sacrebleu.corpus_bleu, sacrebleu.corpus_chrf))
+    assert f"BLEU {copy_bleu}, chrF {copy_chrf} for copying the English verse" in summary["baseline"]
+    assert "nrefs:1" in summary["nmt test"]
+    # the demo's transformers export: it translated the first test verse through its tokenizer, and on the
+    # whole test split (fairseq-generate's batches, whose width sets the length limit) it gives the
+    # hypotheses of the demo's fairseq-generate run (beam, n-gram blocking and limits of the evaluation)
+    from data_prep.score_nmt import read_hypotheses
+    from torchscale_fairseq.interop import hf_translate
+
+    [source, translation] = proc.stdout.split("through transformers: ")[1].splitlines()[:2]
+    assert source == EN[-4] and translation.startswith("          -> ") and translation.strip() != "->"
+    hf_translate.main(["--folder", str(root / "demo_nmt" / "hf"), "--data", str(root / "nmt-bin"), "--beam", "1",
+                       "--max-len-a", "1.2", "--max-len-b", "40", "--no-repeat-ngram-size", "3"])
+    (root / "hf_generate.txt").write_text(capsys.readouterr().out)
+    assert read_hypotheses(root / "hf_generate.txt") == read_hypotheses(root / "demo_nmt" / "generate_test.txt")
+    assert sorted(p.name for p in (root / "demo_plots").iterdir()) == ["clipping.png", "routing_entropy.png",
+                                                                         "valid_ppl.png"]
+
+
+def test_plot_tool_rejects_a_log_without_json_records(tmp_path: Path) -> None:
+    (tmp_path / "x.log").write_text("2026 | INFO | train | epoch 001 | loss 3.2\n")
+    with pytest.raises(SystemExit, match="no fairseq JSON log records"):
+        plot_logs.main([str(tmp_path / "x.log"), "--out-dir", str(tmp_path)])
+
+
+def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
+    for script, extra, message in (
+        ("lm/train_dense.sh", {"SCALE": "huge"}, "SCALE=huge: choose full or tiny"),
+        ("lm/train_dense.sh", {"DATA": str(tmp_path)}, f"{tmp_path}/dict.txt not found"),
+        ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
+        ("lm/train_dense.sh", {"NPROC_PER_NODE": "2", "PP": "4"}, "MP x PP = 4 does not divide the 2 processes"),
+        ("nmt/train_dense.sh", {"PP": "2"}, "PP=2: pipeline parallelism runs the LM recipes (ts_lm) only"),
+        ("nmt/evaluate.sh", {}, "set SAVE_DIR"),
+        ("demo.sh", {"PARALLEL": "yes"}, "PARALLEL=yes: set it to 0 or 1"),
+    ):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("[") and message in lines[0], proc.stderr
+
+
+def test_unigram_baseline_of_a_translation_target_side(tmp_path: Path, capsys) -> None:
+    """--pair en-es scores dict.es.txt / *.en-es.es: train [a a b </s>], valid [a b </s>] over V = 6."""
+    from fairseq.data import Dictionary, indexed_dataset
+
+    (tmp_path / "dict.es.txt").write_text("a 2\nb 1\n")
+    dictionary = Dictionary.load(str(tmp_path / "dict.es.txt"))
+    a, b, eos = dictionary.index("a"), dictionary.index("b"), dictionary.eos()
+    for split, ids in (("train", [a, a, b, eos]), ("valid", [a, b, eos])):
+        prefix = str(tmp_path / f"{split}.en-es.es")
+        builder = indexed_dataset.make_builder(prefix + ".bin", impl="mmap", vocab_size=len(dictionary))
+        builder.add_item(torch.IntTensor(ids))
+        builder.finalize(prefix + ".idx")
+    counts = {a: 3, b: 2, eos: 2}  # add-one over the 6 entries (4 specials, a, b): 4 + 6 = 10
+    expected = math.exp(-sum(math.log(counts[i] / 10) for i in (a, b, eos)) / 3)
+    assert unigram_ppl.main([str(tmp_path), "--pair", "en-es"]) == pytest.approx(expected)
+    assert capsys.readouterr().out == f"unigram_ppl {expected:.1f}\n"
+    with pytest.raises(SystemExit):
+        unigram_ppl.main([str(tmp_path)])  # no dict.txt: a translation dataset needs --pair
+    assert "needs --pair SRC-TGT" in capsys.readouterr().err
