@@ -19,7 +19,7 @@ setup(
         "sacrebleu",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist>=3", "ruff"],
+        "test": ["pytest", "pytest-xdist>=3", "ruff", "torchao==0.17.0"],  # torchao: --fp8 (emulated on the CPU)
         "plots": ["matplotlib"],
         "export": ["transformers>=5.0.0,<6", "safetensors>=0.8,<0.9", "tokenizers"],
     },

@@ -4,7 +4,9 @@ path ("baseline") and its fast path ("fast": ``--ts-fused-cross-entropy --ts-com
 ts_adamw``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
 on the same data, a profile of one update of every run (``train_profile.py``: where the time
 goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
-width). Each figure becomes one JSON line (``--results``) with the issue's metric names.
+width), and the 1.3B fast path with ``--fp8 tensorwise`` / ``rowwise`` (torchao's float8 training;
+``fp8_gain_1p3b`` = its tokens/s over the bf16 fast path's; run where the GPU has FP8 and torchao
+imports). Each figure becomes one JSON line (``--results``) with the issue's metric names.
 
     python benchmarks/gpu_speed.py --results $OUT/gpu_results.jsonl --log-dir $OUT   # on the node
     python benchmarks/gpu_speed.py --toy --results /tmp/r.jsonl                      # the code path on CPU
@@ -49,7 +51,9 @@ CONFIGS = {  # name: (layers width heads FFN, sequences per update)
     "1p3b": ("24 2048 16 8192", 4),
 }
 FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw"]
-TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5}
+TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
+           "fp8_gain_1p3b": 1.2}
+FP8_RUNS = {"1p3b_fp8": "tensorwise", "1p3b_fp8rw": "rowwise"}  # run name: --fp8 recipe, beside 1p3b_fast
 WINDOW, PROFILE = (11, 30), 31  # timed updates, then the profiled one
 DEFAULT_DATA = REPO / "outputs" / "gpu_speed_data" / "data-bin"
 
@@ -148,7 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="binarised LM data; made there (synthetic text, GPT-2-sized dictionary) if missing")
     p.add_argument("--only", nargs="+", help="run names to run (large_fast large_base large_fastp0 stock "
-                                              "1p3b_fast 1p3b_base 1p3b_fastp0; *_fastp0: --dropout 0)")
+                                              "1p3b_fast 1p3b_base 1p3b_fastp0 1p3b_fp8 1p3b_fp8rw; *_fastp0: "
+                                              "--dropout 0; *_fp8: --fp8 tensorwise, *_fp8rw: rowwise)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
     args = p.parse_args(argv)
@@ -178,6 +183,13 @@ def main(argv=None) -> int:
         plan.append((f"{short}_fast", cname, arch + FAST, batch))
         plan.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch))
         plan.append((f"{short}_fastp0", cname, arch + FAST + ["--dropout", "0.0"], batch))
+        if cname == "1p3b":
+            why_not = fp8_unavailable(device)
+            for name, recipe in FP8_RUNS.items():
+                if why_not is None:
+                    plan.append((name, cname, arch + FAST + ["--fp8", recipe], batch))
+                else:
+                    print(f"not run: {name} ({why_not})", flush=True)
         if cname in ("ts_lm_large", "toy"):
             width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
             # the plugin's trainer: stock fairseq's --bf16 runs on TPUs only; model and loss are stock fairseq's
@@ -203,6 +215,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def fp8_unavailable(device: str) -> str | None:
+    """Why the FP8 runs cannot run here (the plugin's own refusal), or None."""
+    from torchscale_fairseq.errors import TsConfigError
+    from torchscale_fairseq.model_parallel.float8 import fp8_refusal, import_torchao_float8
+
+    refusal = fp8_refusal(device, torch.cuda.get_device_capability() if device == "cuda" else None)
+    if refusal:
+        return refusal
+    try:
+        import_torchao_float8()
+    except TsConfigError as e:
+        return str(e)
+    return None
+
+
 def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path, device: str) -> None:
     """One run's metrics as JSON lines, as soon as it is measured (MFU of the fast path under the issue's
     names, of the default path with ``_baseline``; the fast path over stock once both ran)."""
@@ -221,6 +248,14 @@ def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path,
         append_results(path, [("tokens_per_s_vs_stock", ratio, TARGETS["tokens_per_s_vs_stock"])], device,
                        fast["command"] + " vs " + runs["stock"]["command"])
         print(f"RESULT tokens_per_s_vs_stock {ratio:.4f} (target {TARGETS['tokens_per_s_vs_stock']})", flush=True)
+    bf16 = runs.get("1p3b_fast")
+    for fp8_name, recipe in FP8_RUNS.items():
+        if name in (fp8_name, "1p3b_fast") and bf16 is not None and fp8_name in runs:
+            metric = "fp8_gain_1p3b" + ("" if recipe == "tensorwise" else f"_{recipe}")
+            gain = runs[fp8_name]["tokens_per_s"] / bf16["tokens_per_s"]
+            append_results(path, [(metric, gain, TARGETS["fp8_gain_1p3b"])], device,
+                           runs[fp8_name]["command"] + " vs " + bf16["command"])
+            print(f"RESULT {metric} {gain:.4f} (target {TARGETS['fp8_gain_1p3b']})", flush=True)
 
 
 def print_table(runs: dict) -> None:

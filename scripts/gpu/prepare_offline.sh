@@ -22,7 +22,8 @@ LIMIT_MIB=48                              # the node gets at most 64 MiB of carr
 # Everything is installed on the node with --no-deps: each list names every package it needs.
 # core: fairseq-fixed 0.12.3.1's pins and their dependencies that a CUDA PyTorch image lacks
 # (hydra-core -> omegaconf, antlr4-python3-runtime, packaging; omegaconf -> pyyaml; cffi -> pycparser).
-CORE=(hydra-core==1.3.2 omegaconf==2.3.0 bitarray==3.12.3 cffi==2.1.1 pycparser==3.12)
+# torchao 0.17.0 (3.1 MiB, no dependencies): --fp8's float8 training, the release built against torch 2.11.
+CORE=(hydra-core==1.3.2 omegaconf==2.3.0 bitarray==3.12.3 cffi==2.1.1 pycparser==3.12 torchao==0.17.0)
 # fallback: what fairseq or the plugin imports that such images usually hold already; the node
 # installs one only where it has no version of that distribution (sacrebleu -> portalocker, tabulate,
 # colorama, regex, lxml; lxml is not shipped: the node image has it).

@@ -34,6 +34,7 @@ from torchscale_fairseq.model_parallel.process_groups import group_rank, group_s
 TensorParallelGroup = dist.ProcessGroup | None
 
 InitMethod = Callable[[torch.Tensor], None]
+Gemm = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x weight^T + bias, as F.linear
 
 
 def xavier_normal_init(weight: torch.Tensor) -> None:
@@ -116,12 +117,13 @@ class ColumnParallelLinear(nn.Module):
         init_method(full)
         self.weight = _sharded_parameter(full, 0, stride, tp_group)
         self.bias = _sharded_parameter(torch.zeros(out_features), 0, stride, tp_group) if bias else None
+        self.gemm: Gemm = F.linear  # the local x W_r^T + b; FP8: float8.convert_to_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.training and group_size(self.tp_group) > 1:
             y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_group)
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+            y = self.gemm(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
         n = group_size(self.tp_group)
         if not self.gather_output or n == 1:
             return y
@@ -159,9 +161,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if sequence_parallel and bias:
             mark_sequence_parallel([self.bias])
+        self.gemm: Gemm = F.linear  # the local x W_r^T; FP8: float8.convert_to_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.gemm(x, self.weight)
         if self.sequence_parallel and self.training:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -1,14 +1,18 @@
 """Dataclass configs of the ts models (flags shared by ``ts_lm``, ``ts_transformer``, ``ts_mlm``)."""
 
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
+from torch import nn
 
 from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS, checkpoint_mode
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.float8 import FP8_RECIPES, convert_to_fp8, fp8_refusal
 from torchscale_fairseq.model_parallel.pipeline_schedules import SCHEDULES
 from torchscale_fairseq.modules.backbone import BACKBONES, check_backbone
 from torchscale_fairseq.modules.feedforward import ACTIVATIONS
@@ -19,6 +23,8 @@ from torchscale_fairseq.modules.moe.config import (
     ROUTERS,
     SECOND_EXPERT_POLICIES,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_SKIPPED_UPDATES = 10  # default of --max-skipped-updates (also for non-ts models under the plugin's trainer)
 
@@ -117,6 +123,10 @@ class TsCommonConfig(TsMoEConfig):
     ts_compile: bool = field(
         default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
     )
+    fp8: ChoiceEnum(("none",) + FP8_RECIPES) = field(default="none", metadata={
+        "help": "run the attention and FFN linear layers' GEMMs in FP8 through torchao's float8 training "
+                "(tensorwise or rowwise scaling; layers below torchao's size rules and the output layer stay in "
+                "the model's precision); needs a GPU of compute capability >= 8.9 and torchao; dense models only"})
     layernorm_eps: float = field(default=1e-5, metadata={"help": "LayerNorm epsilon"})
     sequence_parallel: bool = field(
         default=False,
@@ -237,6 +247,11 @@ def validate_common(args: Any) -> None:
         raise TsConfigError(
             "--ts-fused-cross-entropy does not run under --pipeline-model-parallel-size > 1 yet: drop one of the two"
         )
+    if getattr(args, "fp8", "none") != "none" and getattr(args, "moe_expert_count", 0) > 0:
+        raise TsConfigError(
+            "--fp8 does not run expert GEMMs (the MoE layers' grouped GEMMs have no FP8 path): drop --fp8 or "
+            "--moe-expert-count"
+        )
     # torch.compile takes no custom context_fn in torch.utils.checkpoint, and the tensor-parallel
     # stream replay is one: full recomputation always passes it, selective only under TP
     recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
@@ -248,6 +263,22 @@ def validate_common(args: Any) -> None:
             f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
             f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
         )
+
+
+def convert_fp8_from_args(model: nn.Module, args: Any) -> None:
+    """``--fp8 RECIPE``: the model's eligible linear layers get FP8 GEMMs
+    (:func:`~torchscale_fairseq.model_parallel.float8.convert_to_fp8`), refused in one line on a
+    device without FP8 or without torchao; one log line names what was converted."""
+    recipe = getattr(args, "fp8", "none")
+    if recipe == "none":
+        return
+    cuda = torch.cuda.is_available() and not getattr(args, "cpu", False)
+    refusal = fp8_refusal("cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
+    if refusal:
+        raise TsConfigError(refusal)
+    converted = convert_to_fp8(model, recipe)
+    logger.info("--fp8 %s: %d linear layers run FP8 GEMMs (torchao), the others stay in the model's precision "
+                "(torchao's size rules): %s", recipe, len(converted), ", ".join(converted) or "none")
 
 
 def check_positions(requested: int, maximum: int, requested_flag: str, maximum_flag: str) -> None:

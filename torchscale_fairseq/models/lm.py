@@ -14,7 +14,12 @@ from torchscale_fairseq.device_init import build_on_cpu
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
-from torchscale_fairseq.models.config import TsLanguageModelConfig, check_positions, validate_common
+from torchscale_fairseq.models.config import (
+    TsLanguageModelConfig,
+    check_positions,
+    convert_fp8_from_args,
+    validate_common,
+)
 from torchscale_fairseq.modules.moe.layer import check_generation
 
 
@@ -136,8 +141,10 @@ class TsLanguageModel(FairseqLanguageModel):
 
         # fairseq's adaptive modules draw on the default device: built on the CPU, then moved
         embed_tokens, adaptive_softmax = build_on_cpu(embeddings)
-        return cls(TransformerDecoder(cfg, dictionary, embed_tokens, cross_attention=False,
-                                      adaptive_softmax=adaptive_softmax))
+        model = cls(TransformerDecoder(cfg, dictionary, embed_tokens, cross_attention=False,
+                                       adaptive_softmax=adaptive_softmax))
+        convert_fp8_from_args(model, args)
+        return model
 
     def forward(self, src_tokens, pipeline_chunk: int = 0, pipeline_input=None, **kwargs):
         """The decoder on ``src_tokens``; under pipeline parallelism its chunk ``pipeline_chunk`` on

@@ -20,7 +20,7 @@ from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parall
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
-from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, validate_common
+from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, convert_fp8_from_args, validate_common
 
 
 class MaskedLMEncoder(FairseqEncoder):
@@ -81,7 +81,9 @@ class TsMaskedLMModel(FairseqEncoderModel):
         validate_common(args)
         check_positions(getattr(args, "tokens_per_sample", None), args.max_positions, "--tokens-per-sample", "--max-positions")
         cfg = StackConfig.from_args(args, "encoder", "encoder_only", current_parallel_context())
-        return cls(MaskedLMEncoder(cfg, task.source_dictionary))
+        model = cls(MaskedLMEncoder(cfg, task.source_dictionary))
+        convert_fp8_from_args(model, args)
+        return model
 
     def forward(self, src_tokens, src_lengths=None, **kwargs):
         return self.encoder(src_tokens, src_lengths, **kwargs)

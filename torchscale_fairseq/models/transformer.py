@@ -11,7 +11,7 @@ from torchscale_fairseq.architecture.encoder import TransformerEncoder
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
-from torchscale_fairseq.models.config import TsTransformerConfig, validate_common
+from torchscale_fairseq.models.config import TsTransformerConfig, convert_fp8_from_args, validate_common
 from torchscale_fairseq.modules.moe.layer import check_generation
 
 
@@ -41,7 +41,9 @@ class TsTransformerModel(FairseqEncoderDecoderModel):
             dec_embed = build_token_embedding(len(tgt_dict), dec_cfg.embed_dim, tgt_dict.pad(), dec_cfg.tp_group)
         encoder = TransformerEncoder(enc_cfg, src_dict, enc_embed)
         decoder = TransformerDecoder(dec_cfg, tgt_dict, dec_embed, cross_attention=True)
-        return cls(encoder, decoder)
+        model = cls(encoder, decoder)
+        convert_fp8_from_args(model, args)
+        return model
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         check_state_dict_shapes(self, state_dict)
