@@ -59,6 +59,7 @@ class StackConfig:
     checkpoint_activations: bool = False  # recompute whole layers (--checkpoint-activations full)
     selective_recompute: bool = False  # recompute only the attention core (--checkpoint-activations selective)
     compile_layers: bool = False
+    attention_backend: str = "auto"  # SDPA kernel (--ts-attention-backend)
     fused_cross_entropy: bool = False  # output layer + loss in chunks (--ts-fused-cross-entropy)
     loss_chunk_tokens: int = 4096
     layernorm_eps: float = 1e-5
@@ -121,6 +122,7 @@ class StackConfig:
             checkpoint_activations=recompute == "full",
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
+            attention_backend=getattr(args, "ts_attention_backend", "auto"),
             fused_cross_entropy=getattr(args, "ts_fused_cross_entropy", False),
             loss_chunk_tokens=getattr(args, "ts_loss_chunk_tokens", 4096),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),

@@ -142,7 +142,9 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             memory_mask = mask if mask is not None and bool(mask.any()) else None
         states = [x] if return_all_hiddens else []
         moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
-        for layer in self.chunk_layers(chunk):
+        layers = self.chunk_layers(chunk)
+        self.log_attention_kernel(layers, x, causal=True)
+        for layer in layers:
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,

@@ -69,7 +69,9 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         mask = padding_mask if has_pad else None
         states = [x] if return_all_hiddens else []
         moe = []
-        for layer in self.chunk_layers(chunk):
+        layers = self.chunk_layers(chunk)
+        self.log_attention_kernel(layers, x, causal=False)
+        for layer in layers:
             x, aux = layer(x, padding_mask=mask, self_attn_bias=bias)
             if aux is not None:
                 moe.append(aux)

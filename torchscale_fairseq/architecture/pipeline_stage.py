@@ -8,6 +8,7 @@ order, restricted to the stage (the last stage's copy of a tied embedding, regis
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Optional
 
@@ -19,6 +20,8 @@ from torchscale_fairseq.architecture.sequence_parallel import is_split
 from torchscale_fairseq.model_parallel.attributes import mark_pipeline_tied
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit
 from torchscale_fairseq.model_parallel.process_groups import group_size
+
+logger = logging.getLogger(__name__)
 
 TIED_COPY = "tied_output"  # the attribute holding the last stage's copy of a tied embedding
 EMBEDDING = "embed.embed_tokens.weight"  # a stack's input embedding (the first stage's)
@@ -32,6 +35,7 @@ class PipelineStage(nn.Module):
         this rank's are kept: each parameter gets the value one process gives it (one RNG stream);
         memory holds one other layer at most."""
         self.split = cfg.split
+        self.attention_kernel_logged = False
         layers = nn.ModuleDict()
         for i in range(cfg.layers):
             layer = build_layer(i)
@@ -47,6 +51,15 @@ class PipelineStage(nn.Module):
         if is_split(self.cfg, self.training):
             length = -(-length // group_size(self.cfg.tp_group))
         return batch, length, self.cfg.embed_dim
+
+    def log_attention_kernel(self, layers: list[nn.Module], x: torch.Tensor, causal: bool) -> None:
+        """At the stack's first forward, one log line naming the SDPA kernel its self-attention runs
+        (``MultiheadAttention.kernel_choice`` of ``layers[0]`` on ``x``)."""
+        if self.attention_kernel_logged or not layers:
+            return
+        self.attention_kernel_logged = True
+        logger.info("attention kernel of %s on %s %s: %s", type(self).__name__, x.device.type,
+                    str(x.dtype).removeprefix("torch."), layers[0].self_attn.kernel_choice(x, causal))
 
     def chunk_layers(self, chunk: int) -> list[nn.Module]:
         """The layers of this rank's chunk ``chunk``, in order."""

@@ -23,6 +23,7 @@ from torchscale_fairseq.modules.moe.config import (
     ROUTERS,
     SECOND_EXPERT_POLICIES,
 )
+from torchscale_fairseq.modules.multihead_attention import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class TsCommonConfig(TsMoEConfig):
     ts_compile: bool = field(
         default=False, metadata={"help": "torch.compile each transformer layer (regional compilation; opt-in)"}
     )
+    ts_attention_backend: ChoiceEnum(ATTENTION_BACKENDS) = field(default="auto", metadata={
+        "help": "the scaled_dot_product_attention kernel: auto (SDPA chooses; one log line names its choice), "
+                "flash, efficient, cudnn (CUDA only) or math (the plain PyTorch reference)"})
     fp8: ChoiceEnum(("none",) + FP8_RECIPES) = field(default="none", metadata={
         "help": "run the attention and FFN linear layers' GEMMs in FP8 through torchao's float8 training "
                 "(tensorwise or rowwise scaling; layers below torchao's size rules and the output layer stay in "
@@ -247,6 +251,10 @@ def validate_common(args: Any) -> None:
         raise TsConfigError(
             "--ts-fused-cross-entropy does not run under --pipeline-model-parallel-size > 1 yet: drop one of the two"
         )
+    backend = getattr(args, "ts_attention_backend", "auto")
+    if backend in ("efficient", "cudnn") and (getattr(args, "cpu", False) or not torch.cuda.is_available()):
+        raise TsConfigError(f"--ts-attention-backend {backend} is a CUDA kernel and this run is on the CPU: "
+                            "use auto, flash or math")
     if getattr(args, "fp8", "none") != "none" and getattr(args, "moe_expert_count", 0) > 0:
         raise TsConfigError(
             "--fp8 does not run expert GEMMs (the MoE layers' grouped GEMMs have no FP8 path): drop --fp8 or "

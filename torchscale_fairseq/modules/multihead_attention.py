@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.errors import TsConfigError
@@ -40,6 +41,11 @@ from torchscale_fairseq.modules.xpos import XPos
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
 
+# --ts-attention-backend: SDPA's kernels; "auto" lets SDPA choose per call
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+ATTENTION_BACKENDS = ("auto", *SDPA_BACKENDS)
+
 
 def scaled_xavier_blocks(num_blocks: int, gain_of_block: Dict[int, float]):
     """Init for a weight stacking ``num_blocks`` square-ish blocks: Xavier-normal per
@@ -55,10 +61,11 @@ def scaled_xavier_blocks(num_blocks: int, gain_of_block: Dict[int, float]):
 
 def attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
-    is_causal: bool,
+    is_causal: bool, backend: str = "auto",
 ) -> torch.Tensor:
     """``dropout(softmax(q k^T / sqrt(d) + mask)) v`` on ``scaled_dot_product_attention``, the
-    dropout drawn from the rank's tensor-parallel stream (its own heads).
+    dropout drawn from the rank's tensor-parallel stream (its own heads); ``backend`` other than
+    ``auto`` restricts SDPA to that kernel (:data:`SDPA_BACKENDS`).
 
     Which tensors backward keeps depends on the kernel SDPA picks. The math kernel (here:
     CPU with attention dropout) materialises the ``B*h*T*S`` scores and keeps the softmax
@@ -70,21 +77,24 @@ def attention_core(
     ``torch.utils.checkpoint``, tracker streams by ``checkpoint_context``), so the dropout
     mask and the gradients equal those without recomputation."""
     with get_rng_tracker().fork():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if backend == "auto":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        with sdpa_kernel(SDPA_BACKENDS[backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def recompute_attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
-    is_causal: bool,
+    is_causal: bool, backend: str = "auto",
 ) -> torch.Tensor:
     """:func:`attention_core` under non-reentrant ``torch.utils.checkpoint``: backward keeps
     its inputs and runs it again. The tracker streams are replayed by ``checkpoint_context``
     where there are any (tensor parallelism); without them the default ``context_fn`` is
     left alone, the only one ``torch.compile`` (``--ts-compile``) accepts."""
     if get_rng_tracker().states:
-        return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False,
+        return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, backend, use_reentrant=False,
                           context_fn=checkpoint_context)
-    return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, use_reentrant=False)
+    return checkpoint(attention_core, q, k, v, mask, dropout_p, is_causal, backend, use_reentrant=False)
 
 
 class MultiheadAttention(nn.Module):
@@ -101,8 +111,13 @@ class MultiheadAttention(nn.Module):
         tp_group: TensorParallelGroup = None,
         sequence_parallel: bool = False,
         recompute_core: bool = False,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise TsConfigError(f"--ts-attention-backend {backend!r} is not an SDPA kernel: choose one of "
+                                f"{', '.join(ATTENTION_BACKENDS)}")
+        self.backend = backend
         if embed_dim % num_heads != 0:
             raise TsConfigError(
                 f"embedding dim {embed_dim} is not divisible by {num_heads} attention heads: "
@@ -180,13 +195,24 @@ class MultiheadAttention(nn.Module):
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
-            out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal)
+            out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
         else:
-            out = attention_core(q, k, v, mask, dropout_p, is_causal)
+            out = attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
         out = out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
         if self.inner_attn_ln is not None:
             out = self.inner_attn_ln(out)
         return self.out_proj(out)
+
+    def kernel_choice(self, x: torch.Tensor, causal: bool) -> str:
+        """The SDPA kernel this self-attention runs on a batch like ``x`` ``(B, T, C)`` (no padding
+        mask; dropout as in this mode) on ``x``'s device and dtype: the forced one, or SDPA's own
+        choice (``torch._fused_sdp_choice``; eager only)."""
+        if self.backend != "auto":
+            return f"{SDPA_BACKENDS[self.backend].name} (forced by --ts-attention-backend {self.backend})"
+        q = x.new_empty(x.size(0), self.local_heads, x.size(1), self.head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        choice = SDPBackend(torch._fused_sdp_choice(q, q, q, None, dropout_p, causal)).name
+        return f"{choice} (SDPA's choice; force one with --ts-attention-backend)"
 
     @staticmethod
     def _mask(
