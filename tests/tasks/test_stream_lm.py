@@ -166,7 +166,7 @@ def test_data_parallel_resume_from_rank0_state_without_per_batch_gathers(tmp_pat
     with its own next unseen batch; the positions are gathered once per epoch, not per batch."""
     from tests.helpers.cli_utils import run
     from tests.helpers.rendezvous import rendezvous_url
-    from tests.tasks import dp_resume_worker as worker
+    from tests.workers import dp_resume_worker as worker
 
     make_stream_data(tmp_path, {"a": (2, 5, 2.0), "b": (1, 6, 1.0)})
     out = tmp_path / "result"
