@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from tests.helpers.model_utils import FakeTask, args, dictionary
+from torchscale_fairseq.architecture import layer
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.models.config import check_document_masking
 from torchscale_fairseq.models.lm import TsLanguageModel
@@ -132,17 +134,28 @@ def test_mask_and_positions_against_loops() -> None:
     assert torch.equal(document_positions(tokens, ids, 1), expected)
 
 
-def test_compiled_layers_match_eager() -> None:
-    """``--ts-compile``: the compiled layers take the document mask as an input, same result."""
-    eager, d = build(TsLanguageModel, reset_positions_at_documents=True, decoder_learned_pos=True)
-    compiled, _ = build(TsLanguageModel, reset_positions_at_documents=True, decoder_learned_pos=True,
-                        ts_compile=True)
+def test_compiled_layers_match_eager(monkeypatch) -> None:
+    """``--ts-compile``: the compiled layers take the document mask as a graph input, same result
+    (dynamo and AOT autograd as ``--ts-compile`` runs them; the ``aot_eager`` backend skips
+    inductor's C++ build, which tests/architecture/test_ts_compile.py covers)."""
+    torch.set_num_threads(1)
+    aot = torch.compile(layer.TransformerLayer._forward, backend="aot_eager")
+    monkeypatch.setattr(layer, "_compiled_forward", lambda: aot)
+    small = dict(reset_positions_at_documents=True, decoder_learned_pos=True, decoder_embed_dim=32,
+                 decoder_ffn_embed_dim=64)
+    eager, d = build(TsLanguageModel, **small)
+    compiled, _ = build(TsLanguageModel, ts_compile=True, **small)
+    eager, compiled = eager.float().eval(), compiled.float().eval()
     compiled.load_state_dict(eager.state_dict())
     docs = lm_documents(d, LENGTHS)
     source = torch.cat([s for s, _ in docs], 1).repeat(2, 1)
     ids = ids_of(LENGTHS).repeat(2, 1)
-    torch.testing.assert_close(compiled(source, document_ids=ids)[0], eager(source, document_ids=ids)[0],
-                               rtol=1e-9, atol=1e-9)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        got, expected = compiled(source, document_ids=ids)[0], eager(source, document_ids=ids)[0]
+    assert counters["stats"]["unique_graphs"] >= 1  # the layers did run through dynamo
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("flags, masking, message", [
