@@ -2,10 +2,11 @@
 blocks with ``document_ids`` (attention within documents, optionally positions reset) against
 plain causal blocks of the same tokens.
 
-Each configuration runs in its own process: ``tokens/s`` of forward + backward + SGD step (median
-of the timed steps), ``saved MiB`` the bytes the layers keep for backward (``saved_tensors_hooks``,
-once per storage, parameters excluded; the document mask is counted once per layer that keeps it),
-``peak RSS MiB`` the process's resident high-water mark. Document lengths are exponential with
+``tokens/s``: forward + backward + SGD step, median of the timed steps, the three modes' steps
+interleaved in one process (so that the shared machine's load hits them alike). Memory, each mode
+in its own process: ``saved MiB`` the bytes the layers keep for backward (``saved_tensors_hooks``,
+once per storage, parameters excluded; the shared document mask counts once), ``peak RSS MiB``
+the process's resident high-water mark after two steps. Document lengths are exponential with
 mean ``--mean-doc`` tokens (the streaming tasks' packing of short documents).
 
     .venv/bin/python benchmarks/document_masking.py [--seq 1024] [--batch 4] [--mean-doc 256]
@@ -73,62 +74,80 @@ def saved_mib(model, tokens: torch.Tensor, kwargs: dict) -> float:
     return total / 2**20
 
 
-def worker(args: argparse.Namespace) -> dict:
+def build(args: argparse.Namespace, mode: str):
+    """``ts_lm`` (same weights for every mode), a batch of tokens and the forward's extra inputs."""
     from fairseq.data import Dictionary
 
     from torchscale_fairseq.models.lm import TsLanguageModel
 
-    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     d = Dictionary()
     for i in range(1000):
         d.add_symbol(f"w{i}")
-    task = argparse.Namespace(source_dictionary=d, target_dictionary=d, document_masking=args.mode != "causal")
+    task = argparse.Namespace(source_dictionary=d, target_dictionary=d, document_masking=mode != "causal")
     model = TsLanguageModel.build_model(argparse.Namespace(
         backbone="magneto", activation_fn="gelu", dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
         decoder_layers=args.layers, decoder_embed_dim=args.dim, decoder_ffn_embed_dim=4 * args.dim,
         decoder_attention_heads=args.heads, tokens_per_sample=args.seq, max_target_positions=args.seq,
         decoder_learned_pos=True, share_decoder_input_output_embed=True,
-        reset_positions_at_documents=args.mode == "document+reset",
+        reset_positions_at_documents=mode == "document+reset",
     ), task)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(d.nspecial, len(d), (args.batch, args.seq + 1), generator=g)
-    kwargs = {} if args.mode == "causal" else {"document_ids": document_ids(args.batch, args.seq, args.mean_doc, g)}
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for step in range(2 + args.steps):
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1], **kwargs)[0]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    docs = float(kwargs["document_ids"].max(1).values.float().mean() + 1) if kwargs else 1.0
-    return {"mode": args.mode, "tokens_per_s": args.batch * args.seq / statistics.median(times),
-            "saved_mib": saved_mib(model, tokens[:, :-1], kwargs),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "docs_per_row": docs}
+    kwargs = {} if mode == "causal" else {"document_ids": document_ids(args.batch, args.seq, args.mean_doc, g)}
+    return model, tokens, kwargs, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def step(model, tokens: torch.Tensor, kwargs: dict, opt) -> float:
+    """One forward + backward + SGD step; its seconds."""
+    start = time.perf_counter()
+    logits = model(tokens[:, :-1], **kwargs)[0]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def memory(args: argparse.Namespace) -> dict:
+    """Worker process of one mode: saved bytes and peak RSS after two steps."""
+    model, tokens, kwargs, opt = build(args, args.mode)
+    for _ in range(2):
+        step(model, tokens, kwargs, opt)
+    return {"saved_mib": saved_mib(model, tokens[:, :-1], kwargs),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
     args = parse_args()
+    torch.set_num_threads(args.threads)
     if args.mode:
-        print(json.dumps(worker(args)))
+        print(json.dumps(memory(args)))
         return
-    rows = []
+    rows = {}
     for mode in MODES:
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode], capture_output=True,
                              text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    base = rows[0]
+        rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    # throughput: the modes' steps interleaved in one process, so that load on the machine hits them alike
+    runs = {mode: build(args, mode) for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for i in range(2 + args.steps):
+        for mode in MODES:
+            seconds = step(*runs[mode])
+            if i >= 2:
+                times[mode].append(seconds)
+    for mode, (_, _, kwargs, _) in runs.items():
+        rows[mode]["tokens_per_s"] = args.batch * args.seq / statistics.median(times[mode])
+        rows[mode]["docs_per_row"] = float(kwargs["document_ids"].max(1).values.float().mean() + 1) if kwargs else 1.0
+    base = rows["causal"]
     print(f"{now()} commit {git_commit()} load {load_average()} torch {torch.__version__}")
     print(f"ts_lm {args.layers} layers d={args.dim} h={args.heads}, seq {args.seq}, batch {args.batch}, "
-          f"mean document {args.mean_doc:g} tokens, fp32, {args.threads} threads")
+          f"mean document {args.mean_doc:g} tokens, fp32, {args.threads} threads, median of {args.steps} steps")
     print("| blocks | documents/row | tokens/s | vs causal | saved MiB | vs causal | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['docs_per_row']:.1f} | {r['tokens_per_s']:.0f} | "
+    for mode, r in rows.items():
+        print(f"| {mode} | {r['docs_per_row']:.1f} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['saved_mib']:.1f} | "
               f"{r['saved_mib'] / base['saved_mib']:.3f} | {r['peak_rss_mib']:.0f} |")
 

@@ -59,7 +59,7 @@ class StreamingTask:
     @property
     def document_masking(self) -> bool:
         """Whether blocks carry ``document_ids`` (``--document-masking``); read by the ts models' builders."""
-        return self.options.document_masking
+        return bool(getattr(self.options, "document_masking", False))
 
     def build_model(self, cfg, *args, **kwargs):
         """The model; under ``--document-masking`` only one that reads ``document_ids``."""

@@ -58,7 +58,7 @@ class StreamingLMTask(StreamingTask, LanguageModelingTask):
                         n_local: int) -> LMBlockStream:
         return LMBlockStream(
             corpora, self.args.tokens_per_sample, batch_size, self.document_encoder(), self.dictionary.eos(),
-            self.args.seed, dp_rank, dp_size, n_local, self.args.document_masking,
+            self.args.seed, dp_rank, dp_size, n_local, self.document_masking,
         )  # fmt: skip
 
     def held_out_dataset(self, corpora: list[Corpus]) -> MonolingualDataset | DocumentIdsDataset:
@@ -75,7 +75,7 @@ class StreamingLMTask(StreamingTask, LanguageModelingTask):
             blocks, blocks.sizes, self.dictionary, self.output_dictionary, add_eos_for_other_targets=False,
             shuffle=False, targets=self.targets, add_bos_token=False,
         )  # fmt: skip
-        if not self.args.document_masking:
+        if not self.document_masking:
             return dataset
         firsts = [torch.zeros(len(d), dtype=torch.long).index_fill_(0, torch.tensor([0]), 1) for d in docs]
         begins = TokenBlockDataset(ListDataset(firsts, sizes), sizes, self.args.tokens_per_sample, pad=0, eos=0,

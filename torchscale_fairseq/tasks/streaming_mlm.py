@@ -88,13 +88,13 @@ class StreamingMLMTask(StreamingTask, FairseqTask):
                         n_local: int) -> MaskedBlockStream:
         return MaskedBlockStream(
             corpora, self.cfg.tokens_per_sample, batch_size, self.document_encoder(), self.dictionary.eos(),
-            self.cfg.seed, dp_rank, dp_size, n_local, self.cfg.document_masking, masker=self.masker(),
+            self.cfg.seed, dp_rank, dp_size, n_local, self.document_masking, masker=self.masker(),
         )  # fmt: skip
 
     def held_out_dataset(self, corpora: list[Corpus]) -> MaskedBlockDataset:
         """Every document of ``corpora`` once, in index order, packed and masked."""
         return MaskedBlockDataset(held_out_documents(corpora, self.document_encoder()), self.cfg.tokens_per_sample,
-                                  self.masker(), self.cfg.document_masking)
+                                  self.masker(), self.document_masking)
 
     def max_positions(self) -> int:
         return self.cfg.tokens_per_sample
