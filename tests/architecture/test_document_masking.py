@@ -82,6 +82,20 @@ def test_lm_packed_block_equals_documents_alone_with_position_reset(positions: d
     assert not torch.allclose(lm_loss(model, d, source, target), alone)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_keeps_the_document_mask(mode: str) -> None:
+    """``--checkpoint-activations``: the recomputed layers / attention cores see the same mask."""
+    model, d = build(TsLanguageModel, reset_positions_at_documents=True, decoder_learned_pos=True,
+                     checkpoint_activations=mode)
+    packed, alone = packed_and_alone(model, d, lm_documents(d, LENGTHS), LENGTHS)
+    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
+    packed.sum().backward()
+    g_packed = grads(model)
+    alone.sum().backward()
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(g_packed[name], grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("relative", [{"xpos": True}, {"rel_pos_buckets": 16}], ids=["xpos", "rel_bias"])
 def test_lm_relative_positions_need_no_reset(relative: dict) -> None:
     """xPos and the relative bias depend on i - j only: masking alone gives each document's loss."""
