@@ -56,6 +56,7 @@ class StackConfig:
     rel_pos_buckets: int = 0
     max_rel_pos: int = 128
     xpos: bool = False
+    reset_positions: bool = False  # absolute positions restart at each document (--reset-positions-at-documents)
     checkpoint_activations: bool = False  # recompute whole layers (--checkpoint-activations full)
     selective_recompute: bool = False  # recompute only the attention core (--checkpoint-activations selective)
     compile_layers: bool = False
@@ -119,6 +120,7 @@ class StackConfig:
             rel_pos_buckets=getattr(args, "rel_pos_buckets", 0),
             max_rel_pos=getattr(args, "max_rel_pos", 128),
             xpos=getattr(args, "xpos", False),
+            reset_positions=getattr(args, "reset_positions_at_documents", False),
             checkpoint_activations=recompute == "full",
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),

@@ -29,6 +29,7 @@ from torchscale_fairseq.model_parallel.mappings import (
     gather_from_tensor_parallel_region,
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
+from torchscale_fairseq.modules.document_mask import document_attention_mask
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -91,12 +92,15 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         return_all_hiddens: bool = False,
         pipeline_chunk: int = 0,
         pipeline_input: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """``pipeline_chunk``: which of this rank's chunks runs, on ``pipeline_input`` (the previous
-        stage's hidden states; ``None`` on the first stage, which embeds the tokens)."""
+        stage's hidden states; ``None`` on the first stage, which embeds the tokens).
+        ``document_ids`` (B, T): the documents of packed blocks; attention stays within each
+        (:mod:`~torchscale_fairseq.modules.document_mask`)."""
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens,
-                                         pipeline_chunk, pipeline_input)
+                                         pipeline_chunk, pipeline_input, document_ids)
         if not features_only and self.split.is_last(pipeline_chunk):
             x = self.output_layer(x)
         return x, extra
@@ -109,6 +113,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         return_all_hiddens: bool = False,
         pipeline_chunk: int = 0,
         pipeline_input: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         chunk = pipeline_chunk
@@ -118,7 +123,11 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         split = is_split(self.cfg, self.training)
         if split:
             prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
-        x = self.embed(prev_output_tokens, last_only=incremental) if self.split.is_first(chunk) else pipeline_input
+        if incremental:
+            document_ids = None
+        x = (self.embed(prev_output_tokens, last_only=incremental, document_ids=document_ids)
+             if self.split.is_first(chunk) else pipeline_input)
+        allowed = document_attention_mask(document_ids, causal=True) if document_ids is not None else None
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None
@@ -131,8 +140,9 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
                 padding_mask = pads
         if self.cfg.compile_layers and not incremental:  # one graph for every batch size
             torch._dynamo.maybe_mark_dynamic(x, 0)
-            if padding_mask is not None:
-                torch._dynamo.maybe_mark_dynamic(padding_mask, 0)
+            for mask in (padding_mask, allowed):
+                if mask is not None:
+                    torch._dynamo.maybe_mark_dynamic(mask, 0)
         t = 1 if incremental else prev_output_tokens.size(1)
         bias = self.rel_pos(t, offset + t, offset) if self.rel_pos is not None else None
         memory = memory_mask = None
@@ -148,6 +158,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
+                self_attn_mask=allowed,
             )
             if aux is not None:
                 moe.append(aux)

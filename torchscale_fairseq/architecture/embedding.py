@@ -15,7 +15,11 @@ from torchscale_fairseq.architecture.sequence_parallel import is_split, split_se
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
 from torchscale_fairseq.model_parallel.layers import TensorParallelGroup, VocabParallelEmbedding
 from torchscale_fairseq.model_parallel.random import get_rng_tracker
-from torchscale_fairseq.modules.positions import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from torchscale_fairseq.modules.positions import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEmbedding,
+    document_positions,
+)
 
 
 def build_token_embedding(num_embeddings: int, embed_dim: int, padding_idx: int,
@@ -41,11 +45,17 @@ class InputEmbedding(nn.Module):
         if cfg.sequence_parallel and self.layernorm_embedding is not None:
             mark_sequence_parallel(self.layernorm_embedding.parameters())
 
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, last_only: bool = False,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding).
         Under sequence parallelism (training) the result is this rank's slice of the
-        sequence, and its dropout masks are this rank's own."""
-        positions = self.embed_positions(tokens) if self.embed_positions is not None else None
+        sequence, and its dropout masks are this rank's own. With ``document_ids`` (B, T) and
+        ``cfg.reset_positions`` positions restart at each document (:func:`document_positions`)."""
+        positions = None
+        if self.embed_positions is not None:
+            ids = (document_positions(tokens, document_ids, self.padding_idx)
+                   if document_ids is not None and self.cfg.reset_positions else None)
+            positions = self.embed_positions(tokens, ids)
         if last_only:
             tokens = tokens[:, -1:]
             positions = positions[:, -1:] if positions is not None else None

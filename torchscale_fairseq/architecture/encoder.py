@@ -20,6 +20,7 @@ from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens, sequence_slice
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
+from torchscale_fairseq.modules.document_mask import document_attention_mask
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -49,10 +50,13 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         return_all_hiddens: bool = False,
         pipeline_chunk: int = 0,
         pipeline_input: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
         **unused,
     ) -> Dict[str, List]:
         """``pipeline_chunk``: which of this rank's chunks runs, on ``pipeline_input`` (the previous
-        stage's hidden states; ``None`` on the first stage, which embeds the tokens)."""
+        stage's hidden states; ``None`` on the first stage, which embeds the tokens).
+        ``document_ids`` (B, T): the documents of packed blocks; attention stays within each
+        (:mod:`~torchscale_fairseq.modules.document_mask`)."""
         chunk = pipeline_chunk
         length = src_tokens.size(1)
         split = is_split(self.cfg, self.training)
@@ -60,19 +64,20 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         padding_mask = tokens.eq(self.padding_idx)
         has_pad = bool(padding_mask.any())
         if self.split.is_first(chunk):
-            x = self.embed(tokens)
+            x = self.embed(tokens, document_ids=document_ids)
             if has_pad:
                 x = x.masked_fill((sequence_slice(padding_mask, self.cfg) if split else padding_mask).unsqueeze(-1), 0.0)
         else:
             x = pipeline_input
         bias = self.rel_pos(tokens.size(1), tokens.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
+        allowed = document_attention_mask(document_ids, causal=False) if document_ids is not None else None
         states = [x] if return_all_hiddens else []
         moe = []
         layers = self.chunk_layers(chunk)
         self.log_attention_kernel(layers, x, causal=False)
         for layer in layers:
-            x, aux = layer(x, padding_mask=mask, self_attn_bias=bias)
+            x, aux = layer(x, padding_mask=mask, self_attn_bias=bias, self_attn_mask=allowed)
             if aux is not None:
                 moe.append(aux)
             if return_all_hiddens:

@@ -108,15 +108,18 @@ class TransformerLayer(nn.Module):
         memory_padding_mask: Optional[torch.Tensor] = None,
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
+        self_attn_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
+        """``self_attn_mask``: boolean ``(B, 1, T, T)``, True where a query may attend a key
+        (document masks, :mod:`~torchscale_fairseq.modules.document_mask`)."""
         if self.checkpoint_activations and self.training and incremental_state is None:
             memo = RecomputeMemo() if isinstance(self.ffn, MoELayer) else None
             return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                              None, 0, memo, use_reentrant=False, context_fn=checkpoint_context)
+                              None, 0, memo, self_attn_mask, use_reentrant=False, context_fn=checkpoint_context)
         # decoding runs eager: its KV-cache dict changes every step (a recompile per step and layer)
         fn = _compiled_forward() if self.compiled and incremental_state is None else TransformerLayer._forward
         return fn(self, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                  incremental_state, offset)
+                  incremental_state, offset, None, self_attn_mask)
 
     def _forward(
         self,
@@ -129,10 +132,11 @@ class TransformerLayer(nn.Module):
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
         moe_memo: Optional[RecomputeMemo] = None,
+        self_attn_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
             h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
-            incremental_state=incremental_state, offset=offset,
+            incremental_state=incremental_state, offset=offset, allowed=self_attn_mask,
         ))
         if self.cross_attn is not None:
             x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from fairseq.data import BaseWrapperDataset, FairseqDataset
 
 from torchscale_fairseq.data.stream_index import Corpus
 from torchscale_fairseq.data.text_shards import ShardReader
@@ -67,6 +68,27 @@ def held_out_documents(corpora: Sequence[Corpus], encode: DocumentEncoder) -> li
             if reader.bad_bytes:
                 logger.warning("skipped %d undecodable byte(s) in %s", reader.bad_bytes, shard)
     return docs
+
+
+class DocumentIdsDataset(BaseWrapperDataset):
+    """fairseq LM blocks (``MonolingualDataset`` over ``TokenBlockDataset``, break mode ``none``) whose
+    batches carry ``document_ids``; ``begins`` holds, per block, a 0/1 tensor aligned with its targets,
+    1 where a document's first token is (the same blocking over per-document ``[1, 0, ..., 0]``)."""
+
+    def __init__(self, blocks: FairseqDataset, begins: FairseqDataset) -> None:
+        super().__init__(blocks)
+        self.begins = begins
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.dataset[index], "begins": self.begins[index]}
+
+    def collater(self, samples: list[dict]) -> dict:
+        batch = self.dataset.collater(samples)
+        if batch:
+            length = batch["net_input"]["src_tokens"].size(1)
+            starts = [s["begins"].nonzero().flatten().tolist() for s in samples]
+            batch["net_input"]["document_ids"] = document_ids(starts, length)
+        return batch
 
 
 @dataclass
@@ -126,21 +148,34 @@ class CorpusStream:
                 raise too_few_documents(self.corpus, doc, self.n_readers)
             epoch_pass, shard, doc = epoch_pass + 1, 0, 0
 
-    def next_block(self, length: int) -> list[int]:
-        """``length + 1`` tokens: the token before the block, then the block."""
+    def next_block(self, length: int) -> tuple[list[int], list[int]]:
+        """``length + 1`` tokens: the token before the block, then the block; and the indices
+        (into those tokens) where a document begins."""
         c = self.cursor
-        out = [c.prev]
+        out, starts = [c.prev], []
         while len(out) <= length:
             if self._ids is None or c.tok >= len(self._ids):
                 resume_tok = c.tok if self._ids is None else 0
                 c.epoch_pass, c.shard, c.offset, c.doc, self._ids = next(self._docs)
                 c.tok = min(resume_tok, len(self._ids))
+                if c.tok == 0:
+                    starts.append(len(out))
                 continue
             take = min(length + 1 - len(out), len(self._ids) - c.tok)
             out.extend(self._ids[c.tok : c.tok + take])
             c.tok += take
         c.prev = out[-1]
-        return out
+        return out, starts
+
+
+def document_ids(starts: Sequence[Sequence[int]], length: int) -> torch.Tensor:
+    """``(B, length)`` document numbers: row ``b`` counts the ``starts[b]`` (token positions where
+    a document begins) at or before each position; position 0 opens the block's first document."""
+    begins = torch.zeros(len(starts), length, dtype=torch.long)
+    begins[:, 0] = 1
+    for row, positions in enumerate(starts):
+        begins[row, [p for p in positions if 0 < p < length]] = 1
+    return begins.cumsum(1) - 1
 
 
 def initial_reader_state(n_corpora: int) -> dict:
@@ -155,12 +190,14 @@ class LMBlockStream(torch.utils.data.IterableDataset):
     Loader worker ``w`` of ``n_local`` workers runs local reader ``(first + w) % n_local``,
     starting from ``states[r]``; every batch carries ``stream_state = (r, state after it)``.
     Each block takes ``block_tokens`` new tokens from the stream (:meth:`collate` makes the
-    sample; subclasses change both for other objectives).
+    sample; subclasses change both for other objectives). With ``document_masking`` the
+    sample's ``net_input`` carries ``document_ids`` (:func:`document_ids`).
     """
 
     def __init__(self, corpora: Sequence[Corpus], tokens_per_sample: int, batch_size: int, encode: DocumentEncoder,
-                 eos: int, seed: int, dp_rank: int, dp_size: int, n_local: int) -> None:
+                 eos: int, seed: int, dp_rank: int, dp_size: int, n_local: int, document_masking: bool = False) -> None:
         super().__init__()
+        self.document_masking = document_masking
         self.corpora = list(corpora)
         self.tokens_per_sample, self.batch_size = tokens_per_sample, batch_size
         self.block_tokens = tokens_per_sample
@@ -187,28 +224,37 @@ class LMBlockStream(torch.utils.data.IterableDataset):
         ]
         blocks = state["blocks"]
         while True:
-            rows = []
+            rows, starts = [], []
             for _ in range(self.batch_size):
-                rows.append(streams[self._pick_corpus(g, blocks)].next_block(self.block_tokens))
+                row, row_starts = streams[self._pick_corpus(g, blocks)].next_block(self.block_tokens)
+                rows.append(row)
+                starts.append(row_starts)
                 blocks += 1
             after = {"blocks": blocks, "cursors": [asdict(s.cursor) for s in streams]}
-            yield self.collate(rows, blocks - len(rows), g, (local, after))
+            yield self.collate(rows, starts, blocks - len(rows), g, (local, after))
 
     def sample_ids(self, first_block: int, n: int, reader: int) -> torch.Tensor:
         """Stream-wide sample ids: block number x readers + reader."""
         return torch.arange(first_block, first_block + n) * (self.dp_size * self.n_local) + reader
 
-    def collate(self, rows: list[list[int]], first_block: int, reader: int, state: tuple[int, dict]) -> dict:
+    def collate(self, rows: list[list[int]], starts: list[list[int]], first_block: int, reader: int,
+                state: tuple[int, dict]) -> dict:
         """A fairseq LM sample (source = block shifted right by one) plus its ``stream_state``.
 
-        ``rows`` hold ``block_tokens + 1`` ids: the token before the block, then the block."""
+        ``rows`` hold ``block_tokens + 1`` ids: the token before the block, then the block;
+        ``starts`` where documents begin in them. A document's first target sits at source position
+        ``start - 1``, whose token (the previous document's final ``</s>``) opens the document, as
+        ``</s>`` opens a document run alone."""
         tokens = torch.tensor(rows, dtype=torch.long)
         bsz, length = len(rows), self.tokens_per_sample
+        net_input = {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((bsz,), length)}
+        if self.document_masking:
+            net_input["document_ids"] = document_ids([[p - 1 for p in row] for row in starts], length)
         return {
             "id": self.sample_ids(first_block, bsz, reader),
             "nsentences": bsz,
             "ntokens": bsz * length,
-            "net_input": {"src_tokens": tokens[:, :-1].contiguous(), "src_lengths": torch.full((bsz,), length)},
+            "net_input": net_input,
             "target": tokens[:, 1:].contiguous(),
             "stream_state": state,
         }

@@ -202,7 +202,16 @@ class TsPipelineConfig(FairseqDataclass):
 
 
 @dataclass
-class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsOutputConfig, TsPipelineConfig):
+class TsDocumentConfig(FairseqDataclass):
+    """Packed blocks with document boundaries (the streaming tasks' ``--document-masking``)."""
+
+    reset_positions_at_documents: bool = field(default=False, metadata={
+        "help": "absolute (learned or sinusoidal) positions restart at each document of a packed block; "
+                "needs --document-masking (--task streaming_lm / streaming_mlm)"})
+
+
+@dataclass
+class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsOutputConfig, TsPipelineConfig, TsDocumentConfig):
     tokens_per_sample: int = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
 
@@ -215,7 +224,7 @@ class TsTransformerConfig(TsCommonConfig, TsEncoderConfig, TsDecoderConfig, TsOu
 
 
 @dataclass
-class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig, TsPipelineConfig):
+class TsMaskedLMConfig(TsCommonConfig, TsEncoderConfig, TsPipelineConfig, TsDocumentConfig):
     max_positions: int = II("task.tokens_per_sample")
 
 
@@ -295,3 +304,28 @@ def check_positions(requested: int, maximum: int, requested_flag: str, maximum_f
             f"{requested_flag} {requested} is longer than the model's {maximum_flag} {maximum}: "
             f"lower {requested_flag} or raise {maximum_flag}"
         )
+
+
+def check_document_masking(args: Any, document_masking: bool) -> None:
+    """One-line errors for ``--document-masking`` (the task's: its blocks carry ``document_ids``)
+    and ``--reset-positions-at-documents`` (the model's) where they cannot work."""
+    if getattr(args, "reset_positions_at_documents", False):
+        if not document_masking:
+            raise TsConfigError(
+                "--reset-positions-at-documents needs blocks that carry their documents: add --document-masking "
+                "with --task streaming_lm or streaming_mlm (fairseq's TokenBlockDataset keeps no document boundaries)"
+            )
+        if getattr(args, "no_token_positional_embeddings", False):
+            raise TsConfigError(
+                "--reset-positions-at-documents restarts absolute positions, and this model has none (xPos and the "
+                "relative bias depend only on i - j, already within a document under --document-masking): drop the flag"
+            )
+    if not document_masking:
+        return
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise TsConfigError(
+            "--document-masking does not run under --pipeline-model-parallel-size > 1 yet (the stages do not pass "
+            "document ids on): drop one of the two"
+        )
+    if getattr(args, "sequence_parallel", False):
+        raise TsConfigError("--document-masking does not run under --sequence-parallel yet: drop one of the two")

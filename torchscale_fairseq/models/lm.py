@@ -16,6 +16,7 @@ from torchscale_fairseq.model_parallel.parallel_context import current_parallel_
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
 from torchscale_fairseq.models.config import (
     TsLanguageModelConfig,
+    check_document_masking,
     check_positions,
     convert_fp8_from_args,
     validate_common,
@@ -108,9 +109,12 @@ def check_adaptive(args: Any) -> None:
 
 @register_model("ts_lm", dataclass=TsAdaptiveLanguageModelConfig)
 class TsLanguageModel(FairseqLanguageModel):
+    reads_document_ids = True  # net_input["document_ids"] of --document-masking (the streaming tasks)
+
     @classmethod
     def build_model(cls, args, task):
         validate_common(args)
+        check_document_masking(args, getattr(task, "document_masking", False))
         check_adaptive(args)
         if getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = args.tokens_per_sample

@@ -20,7 +20,13 @@ from torchscale_fairseq.model_parallel.mappings import gather_from_tensor_parall
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.models.checkpoint_checks import check_state_dict_shapes
-from torchscale_fairseq.models.config import TsMaskedLMConfig, check_positions, convert_fp8_from_args, validate_common
+from torchscale_fairseq.models.config import (
+    TsMaskedLMConfig,
+    check_document_masking,
+    check_positions,
+    convert_fp8_from_args,
+    validate_common,
+)
 
 
 class MaskedLMEncoder(FairseqEncoder):
@@ -49,12 +55,14 @@ class MaskedLMEncoder(FairseqEncoder):
     def forward(self, src_tokens, src_lengths=None, features_only: bool = False,
                 return_all_hiddens: bool = False, masked_tokens: Optional[torch.Tensor] = None,
                 vocab_parallel_logits: bool = False, pipeline_chunk: int = 0,
-                pipeline_input: Optional[torch.Tensor] = None, **unused):
+                pipeline_input: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                **unused):
         """Logits over the real vocabulary; with ``vocab_parallel_logits`` this rank's
         padded vocabulary slice (for the vocabulary-parallel ``masked_lm`` loss). Under pipeline
-        parallelism chunk ``pipeline_chunk`` of the encoder runs on ``pipeline_input``."""
+        parallelism chunk ``pipeline_chunk`` of the encoder runs on ``pipeline_input``.
+        ``document_ids``: the documents of packed blocks (``--document-masking``)."""
         out = self.encoder(src_tokens, src_lengths, return_all_hiddens=return_all_hiddens,
-                           pipeline_chunk=pipeline_chunk, pipeline_input=pipeline_input)
+                           pipeline_chunk=pipeline_chunk, pipeline_input=pipeline_input, document_ids=document_ids)
         x = out["encoder_out"][0]
         extra = {"inner_states": out["encoder_states"], "moe": out["moe"]}
         if features_only or not self.encoder.split.is_last(pipeline_chunk):
@@ -76,9 +84,12 @@ class MaskedLMEncoder(FairseqEncoder):
 
 @register_model("ts_mlm", dataclass=TsMaskedLMConfig)
 class TsMaskedLMModel(FairseqEncoderModel):
+    reads_document_ids = True  # net_input["document_ids"] of --document-masking (the streaming tasks)
+
     @classmethod
     def build_model(cls, args, task):
         validate_common(args)
+        check_document_masking(args, getattr(task, "document_masking", False))
         check_positions(getattr(args, "tokens_per_sample", None), args.max_positions, "--tokens-per-sample", "--max-positions")
         cfg = StackConfig.from_args(args, "encoder", "encoder_only", current_parallel_context())
         model = cls(MaskedLMEncoder(cfg, task.source_dictionary))

@@ -165,9 +165,12 @@ class MultiheadAttention(nn.Module):
         bias: Optional[torch.Tensor] = None,
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
+        allowed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
-        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``offset`` = position
+        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``allowed`` boolean
+        ``(B, 1, T, S)``, True where a query may attend a key, causality included
+        (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`); ``offset`` = position
         of the first query (incremental decoding). Under sequence parallelism ``x`` is this
         rank's slice of the sequence: the query projection gathers it, the output projection
         scatters it back; keys/values of ``memory`` (full) are projected as usual."""
@@ -191,7 +194,7 @@ class MultiheadAttention(nn.Module):
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         b, t, s = q.size(0), q.size(2), k.size(2)
-        mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device)
+        mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device, allowed)
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
@@ -217,14 +220,13 @@ class MultiheadAttention(nn.Module):
     @staticmethod
     def _mask(
         b: int, t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool,
-        bias: Optional[torch.Tensor], device: torch.device,
+        bias: Optional[torch.Tensor], device: torch.device, allowed: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         """A boolean (True = attend) or additive float mask; None when plain or
-        ``is_causal`` attention suffices."""
-        if key_padding_mask is None and bias is None and t == s:
+        ``is_causal`` attention suffices. ``allowed`` (document masks) already holds causality."""
+        if key_padding_mask is None and bias is None and allowed is None and t == s:
             return None  # plain causal (or full) attention: SDPA's is_causal path
-        allowed = None
-        if causal and t > 1:
+        if allowed is None and causal and t > 1:
             allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
         if key_padding_mask is not None:
             allowed = ~key_padding_mask[:, None, None, :] if allowed is None else allowed & ~key_padding_mask[:, None, None, :]

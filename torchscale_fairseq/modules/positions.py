@@ -1,5 +1,7 @@
 """Absolute positions as in fairseq: position ids start at ``padding_idx + 1`` and skip
-padding, so left-padded sources get the same positions as unpadded ones."""
+padding, so left-padded sources get the same positions as unpadded ones. With
+``--reset-positions-at-documents`` they restart at each document of a packed block
+(:func:`document_positions`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
     return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
 
 
+def document_positions(tokens: torch.Tensor, document_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """``padding_idx + 1 + (i - first index of i's document)``, ``padding_idx`` on pads (right padding)."""
+    index = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+    starts = torch.ones_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return torch.where(tokens.eq(padding_idx), padding_idx, index - first + padding_idx + 1)
+
+
 class LearnedPositionalEmbedding(nn.Embedding):
     """Learned table of ``max_positions`` positions (N(0, d^-1/2) init, pad row zero)."""
 
@@ -27,8 +38,9 @@ class LearnedPositionalEmbedding(nn.Embedding):
             nn.init.normal_(self.weight, mean=0.0, std=embedding_dim**-0.5)
             nn.init.constant_(self.weight[padding_idx], 0.0)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(make_positions(tokens, self.padding_idx))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """``positions``: ids from :func:`document_positions` (default :func:`make_positions`)."""
+        return super().forward(make_positions(tokens, self.padding_idx) if positions is None else positions)
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -53,8 +65,10 @@ class SinusoidalPositionalEmbedding(nn.Module):
         table[padding_idx, :] = 0
         return table
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = make_positions(tokens, self.padding_idx)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: ids from :func:`document_positions` (default :func:`make_positions`)."""
+        if positions is None:
+            positions = make_positions(tokens, self.padding_idx)
         needed = self.padding_idx + 1 + tokens.size(1)  # bound on make_positions, no device sync
         if needed > self.table.size(0):
             self.table = self.build(needed, self.embedding_dim, self.padding_idx).to(self.table.device)

@@ -24,6 +24,13 @@ def batches_per_epoch_field():
         "help": "training batches per epoch (the stream itself never restarts; change it only at an epoch end)"})
 
 
+def document_masking_field():
+    """The ``--document-masking`` option of the streaming tasks."""
+    return field(default=False, metadata={
+        "help": "batches carry each token's document (net_input document_ids) and ts_lm / ts_mlm attend only within "
+                "a document of a packed block; with --reset-positions-at-documents positions restart per document"})
+
+
 class StreamSource(FairseqDataset):
     """The training split: the corpora to stream (batches come from :meth:`StreamingTask.get_batch_iterator`)."""
 
@@ -48,6 +55,21 @@ class StreamingTask:
         """The task's options (``args`` of a legacy fairseq task, ``cfg`` of a dataclass one)."""
         args = getattr(self, "args", None)
         return args if args is not None else self.cfg
+
+    @property
+    def document_masking(self) -> bool:
+        """Whether blocks carry ``document_ids`` (``--document-masking``); read by the ts models' builders."""
+        return bool(getattr(self.options, "document_masking", False))
+
+    def build_model(self, cfg, *args, **kwargs):
+        """The model; under ``--document-masking`` only one that reads ``document_ids``."""
+        model = super().build_model(cfg, *args, **kwargs)
+        if self.document_masking and not getattr(model, "reads_document_ids", False):
+            raise TsConfigError(
+                f"--document-masking needs a model that reads document ids (ts_lm, ts_mlm), not {type(model).__name__}: "
+                "change --arch or drop the flag"
+            )
+        return model
 
     def check_tokenizer(self) -> None:
         """Raise a one-line error if the tokenizer asset is missing or broken."""

@@ -17,14 +17,15 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 
 from torchscale_fairseq.data import gpt2_bpe
 from torchscale_fairseq.data.document_encoders import GPT2Documents
-from torchscale_fairseq.data.lm_stream import LMBlockStream, held_out_documents
+from torchscale_fairseq.data.lm_stream import DocumentIdsDataset, LMBlockStream, held_out_documents
 from torchscale_fairseq.data.stream_index import Corpus
-from torchscale_fairseq.tasks.streaming import StreamingTask, batches_per_epoch_field
+from torchscale_fairseq.tasks.streaming import StreamingTask, batches_per_epoch_field, document_masking_field
 
 
 @dataclass
 class StreamingLMConfig(LanguageModelingConfig):
     batches_per_epoch: int = batches_per_epoch_field()
+    document_masking: bool = document_masking_field()
 
 
 def gpt2_dictionary() -> Dictionary:
@@ -57,11 +58,12 @@ class StreamingLMTask(StreamingTask, LanguageModelingTask):
                         n_local: int) -> LMBlockStream:
         return LMBlockStream(
             corpora, self.args.tokens_per_sample, batch_size, self.document_encoder(), self.dictionary.eos(),
-            self.args.seed, dp_rank, dp_size, n_local,
+            self.args.seed, dp_rank, dp_size, n_local, self.document_masking,
         )  # fmt: skip
 
-    def held_out_dataset(self, corpora: list[Corpus]) -> MonolingualDataset:
-        """Every document of ``corpora`` once, in index order, as fairseq LM blocks."""
+    def held_out_dataset(self, corpora: list[Corpus]) -> MonolingualDataset | DocumentIdsDataset:
+        """Every document of ``corpora`` once, in index order, as fairseq LM blocks (with their
+        ``document_ids`` under ``--document-masking``)."""
         eos = self.dictionary.eos()
         docs = [torch.tensor(d) for d in held_out_documents(corpora, self.document_encoder())]
         sizes = np.array([len(d) for d in docs])
@@ -69,7 +71,13 @@ class StreamingLMTask(StreamingTask, LanguageModelingTask):
             ListDataset(docs, sizes), sizes, self.args.tokens_per_sample, pad=self.dictionary.pad(), eos=eos,
             break_mode="none", include_targets=True,
         )  # fmt: skip
-        return MonolingualDataset(
+        dataset = MonolingualDataset(
             blocks, blocks.sizes, self.dictionary, self.output_dictionary, add_eos_for_other_targets=False,
             shuffle=False, targets=self.targets, add_bos_token=False,
         )  # fmt: skip
+        if not self.document_masking:
+            return dataset
+        firsts = [torch.zeros(len(d), dtype=torch.long).index_fill_(0, torch.tensor([0]), 1) for d in docs]
+        begins = TokenBlockDataset(ListDataset(firsts, sizes), sizes, self.args.tokens_per_sample, pad=0, eos=0,
+                                   break_mode="none")
+        return DocumentIdsDataset(dataset, begins)

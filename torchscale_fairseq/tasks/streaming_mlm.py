@@ -26,7 +26,7 @@ from torchscale_fairseq.data.lm_stream import held_out_documents
 from torchscale_fairseq.data.mlm_stream import MaskedBlockDataset, MaskedBlockStream, SpanMasker
 from torchscale_fairseq.data.stream_index import Corpus
 from torchscale_fairseq.errors import TsConfigError
-from torchscale_fairseq.tasks.streaming import StreamingTask, batches_per_epoch_field
+from torchscale_fairseq.tasks.streaming import StreamingTask, batches_per_epoch_field, document_masking_field
 
 
 @dataclass
@@ -37,6 +37,7 @@ class StreamingMLMConfig(FairseqDataclass):
     mask_prob: float = field(default=0.15, metadata={"help": "fraction of each block's tokens to mask"})
     span_length: float = field(default=3.0, metadata={"help": "mean length of a masked span"})
     batches_per_epoch: int = batches_per_epoch_field()
+    document_masking: bool = document_masking_field()
     seed: int = II("common.seed")
 
 
@@ -87,13 +88,13 @@ class StreamingMLMTask(StreamingTask, FairseqTask):
                         n_local: int) -> MaskedBlockStream:
         return MaskedBlockStream(
             corpora, self.cfg.tokens_per_sample, batch_size, self.document_encoder(), self.dictionary.eos(),
-            self.cfg.seed, dp_rank, dp_size, n_local, masker=self.masker(),
+            self.cfg.seed, dp_rank, dp_size, n_local, self.document_masking, masker=self.masker(),
         )  # fmt: skip
 
     def held_out_dataset(self, corpora: list[Corpus]) -> MaskedBlockDataset:
         """Every document of ``corpora`` once, in index order, packed and masked."""
         return MaskedBlockDataset(held_out_documents(corpora, self.document_encoder()), self.cfg.tokens_per_sample,
-                                  self.masker())
+                                  self.masker(), self.document_masking)
 
     def max_positions(self) -> int:
         return self.cfg.tokens_per_sample
