@@ -41,14 +41,19 @@ class InputEmbedding(nn.Module):
         if cfg.sequence_parallel and self.layernorm_embedding is not None:
             mark_sequence_parallel(self.layernorm_embedding.parameters())
 
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding).
-        Under sequence parallelism (training) the result is this rank's slice of the
-        sequence, and its dropout masks are this rank's own."""
+    def forward(self, tokens: torch.Tensor, last_only: bool = False,
+                context_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding); with
+        ``context_index`` (context parallelism) only those positions of the whole sequence, their
+        positions computed on the whole sequence. Under sequence parallelism (training) the result
+        is this rank's slice of the sequence, and its dropout masks are this rank's own."""
         positions = self.embed_positions(tokens) if self.embed_positions is not None else None
         if last_only:
             tokens = tokens[:, -1:]
             positions = positions[:, -1:] if positions is not None else None
+        if context_index is not None:
+            tokens = tokens[:, context_index]
+            positions = positions[:, context_index] if positions is not None else None
         x = self.embed_tokens(tokens) * self.scale
         if positions is not None:
             x = x + positions.to(x.dtype)

@@ -33,12 +33,33 @@ sequence) the tests compare with.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchscale_fairseq.errors import TsConfigError
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """A context-parallel group as the ring uses it: the process group, its global ranks in ring
+    order, and this rank's position (chunks ``rank`` and ``2 size - 1 - rank``)."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def sequence_multiple(context_size: int, tensor_size: int, sequence_parallel: bool) -> int:
+    """What a batch's length is padded to under context parallelism: ``2 C`` equal chunks, each
+    rank's ``2 T_seq / (2 C)`` tokens a multiple of the tensor-parallel size under ``--sequence-parallel``."""
+    return 2 * context_size * (tensor_size if sequence_parallel else 1)
 
 
 def context_parallel_indices(length: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
