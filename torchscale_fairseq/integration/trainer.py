@@ -200,9 +200,9 @@ class TsTrainer(ScheduledTrainer):
             yield
 
     def _prepare_sample(self, sample, is_dummy=False):
-        """Under context parallelism, this rank's targets of a new sample (:mod:`.context_parallel_batches`;
-        fairseq keeps the first prepared sample as its dummy batch, already split)."""
-        if self.parallel.context_size > 1 and not is_dummy and isinstance(sample, dict) and len(sample) > 0:
+        """Under context parallelism, this rank's targets of the sample (:mod:`.context_parallel_batches`;
+        the dummy batch too, split once)."""
+        if self.parallel.context_size > 1 and isinstance(sample, dict) and len(sample) > 0:
             multiple = sequence_multiple(self.parallel.context_size, self.parallel.tensor_size,
                                          bool(getattr(self.cfg.model, "sequence_parallel", False)))
             sample = context_parallel_sample(sample, self.parallel.context_size, self.parallel.context_rank, multiple,
