@@ -4,7 +4,8 @@ handed to every module of the stack (nanoGPT's config object). ``parallel`` is t
 builder: ``tp_group``, the tensor-parallel group the layers split over (``None``: no tensor
 parallelism), and the MoE layers' expert layouts come from it. ``pipeline`` is this rank's
 part of the layer stack (:class:`~torchscale_fairseq.model_parallel.pipeline_parallel.PipelineSplit`;
-``None``: the whole stack)."""
+``None``: the whole stack). Under context parallelism (``parallel.context_size > 1``, ts_lm's
+decoder only) each rank holds chunks of every sequence (:attr:`StackConfig.context_parallel`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.context_parallel import ContextParallelGroup, sequence_multiple
 from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineSplit, parse_layer_counts
 from torchscale_fairseq.modules.backbone import Backbone, build_backbone
@@ -76,6 +78,17 @@ class StackConfig:
         return self.parallel.tensor_group
 
     @property
+    def context_parallel(self) -> ContextParallelGroup | None:
+        """The context-parallel group the self-attention rings over (``None``: no context parallelism)."""
+        p = self.parallel
+        return ContextParallelGroup(p.context_group, p.context_ranks, p.context_rank) if p.context_size > 1 else None
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What the token ids are padded to under context parallelism (:func:`sequence_multiple`)."""
+        return sequence_multiple(self.parallel.context_size, self.parallel.tensor_size, self.sequence_parallel)
+
+    @property
     def split(self) -> PipelineSplit:
         """This rank's chunks of the layer stack (the whole stack as one chunk without a pipeline)."""
         return self.pipeline if self.pipeline is not None else PipelineSplit.whole(self.layers)
@@ -98,6 +111,7 @@ class StackConfig:
         else:
             max_positions = args.max_target_positions
         recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
+        check_context_parallel(args, part, parallel)
         activation = getattr(args, "activation_fn", "gelu")
         check_activation(activation)
         backbone = build_backbone(
@@ -133,6 +147,37 @@ class StackConfig:
             parallel=parallel,
             sequence_parallel=sequence_parallel_from_args(args, parallel.tensor_size),
             pipeline=pipeline_split_from_args(args, getattr(args, f"{side}_layers"), parallel),
+        )
+
+
+def check_context_parallel(args: Any, part: str, parallel: ParallelContext) -> None:
+    """Context parallelism splits the causal self-attention of a decoder-only stack with absolute
+    (or no) positions; every other case is refused in one line naming the reason."""
+    size = parallel.context_size
+    if size == 1:
+        return
+    flag = f"--context-parallel-size {size}"
+    refused = [
+        (part != "decoder_only", f"splits the causal self-attention of ts_lm's decoder; the {part.replace('_', ' ')} "
+                                 "stack attends bidirectionally or across (not split yet)"),
+        ((getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
+         "does not compose with --pipeline-model-parallel-size yet (the stages' messages are sized for whole sequences)"),
+        ((getattr(args, "moe_expert_count", 0) or 0) > 0,
+         "does not compose with MoE layers yet (routing statistics and expert gradients reduce over data-parallel ranks)"),
+        (getattr(args, "xpos", False), "does not compose with --xpos yet (it rotates by contiguous local positions)"),
+        (getattr(args, "rel_pos_buckets", 0) > 0,
+         "does not compose with --rel-pos-buckets yet (the bias of every ring block would be needed)"),
+        (getattr(args, "attention_dropout", 0.0) > 0, "runs its ring attention without dropout (--attention-dropout > 0)"),
+        (getattr(args, "document_masking", False), "does not compose with --document-masking yet (the ring has no masks)"),
+    ]
+    for failed, reason in refused:
+        if failed:
+            raise TsConfigError(f"{flag} {reason}: use --context-parallel-size 1 or drop the other option")
+    tokens = getattr(args, "tokens_per_sample", None)
+    if tokens is not None and tokens % (2 * size) != 0:
+        raise TsConfigError(
+            f"--tokens-per-sample {tokens} does not split into {2 * size} equal chunks ({flag} balances causal "
+            f"attention over 2 x {size} chunks): use a multiple of {2 * size}"
         )
 
 

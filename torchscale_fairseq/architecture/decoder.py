@@ -21,7 +21,9 @@ from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, register_tied_output
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
+from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
+from torchscale_fairseq.model_parallel.context_parallel import context_parallel_indices, pad_to_multiple
 from torchscale_fairseq.model_parallel.layers import ColumnParallelLinear, parallel_logits, real_rows_normal_init
 from torchscale_fairseq.model_parallel.linear_cross_entropy import linear_cross_entropy
 from torchscale_fairseq.model_parallel.mappings import (
@@ -121,12 +123,20 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
         length = prev_output_tokens.size(1)
         split = is_split(self.cfg, self.training)
-        if split:
-            prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
-        if incremental:
-            document_ids = None
-        x = (self.embed(prev_output_tokens, last_only=incremental, document_ids=document_ids)
-             if self.split.is_first(chunk) else pipeline_input)
+        context, context_index = self.cfg.context_parallel, None
+        if context is not None and incremental_state is None:  # --document-masking is refused under CP
+            whole = pad_to_multiple(prev_output_tokens, self.cfg.sequence_multiple, self.padding_idx)
+            context_index = context_parallel_indices(whole.size(1), context.size, context.rank, whole.device)
+            x = self.embed(whole, context_index=context_index)
+            prev_output_tokens = whole[:, context_index]
+            length = prev_output_tokens.size(1)
+        else:
+            if split:
+                prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
+            if incremental:
+                document_ids = None
+            x = (self.embed(prev_output_tokens, last_only=incremental, document_ids=document_ids)
+                 if self.split.is_first(chunk) else pipeline_input)
         allowed = document_attention_mask(document_ids, causal=True) if document_ids is not None else None
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
@@ -137,6 +147,11 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             # only a pad followed by a real token (left padding), or MoE routing, needs the mask
             needs = pads if self.cfg.moe is not None else pads[:, :-1] & ~pads[:, 1:]
             if bool(needs.any()):
+                if context_index is not None:
+                    raise TsConfigError(
+                        "context parallelism runs causal attention without a padding mask, but this batch has a pad "
+                        "before a real token (left padding): right-pad the batch or use --context-parallel-size 1"
+                    )
                 padding_mask = pads
         if self.cfg.compile_layers and not incremental:  # one graph for every batch size
             torch._dynamo.maybe_mark_dynamic(x, 0)

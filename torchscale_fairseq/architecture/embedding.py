@@ -46,11 +46,14 @@ class InputEmbedding(nn.Module):
             mark_sequence_parallel(self.layernorm_embedding.parameters())
 
     def forward(self, tokens: torch.Tensor, last_only: bool = False,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding).
-        Under sequence parallelism (training) the result is this rank's slice of the
-        sequence, and its dropout masks are this rank's own. With ``document_ids`` (B, T) and
-        ``cfg.reset_positions`` positions restart at each document (:func:`document_positions`)."""
+                document_ids: Optional[torch.Tensor] = None,
+                context_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Embed ``tokens`` (B, T); with ``last_only`` only the last position (decoding); with
+        ``context_index`` (context parallelism) only those positions of the whole sequence, their
+        positions computed on the whole sequence. Under sequence parallelism (training) the result
+        is this rank's slice of the sequence, and its dropout masks are this rank's own. With
+        ``document_ids`` (B, T) and ``cfg.reset_positions`` positions restart at each document
+        (:func:`document_positions`)."""
         positions = None
         if self.embed_positions is not None:
             ids = (document_positions(tokens, document_ids, self.padding_idx)
@@ -59,6 +62,9 @@ class InputEmbedding(nn.Module):
         if last_only:
             tokens = tokens[:, -1:]
             positions = positions[:, -1:] if positions is not None else None
+        if context_index is not None:
+            tokens = tokens[:, context_index]
+            positions = positions[:, context_index] if positions is not None else None
         x = self.embed_tokens(tokens) * self.scale
         if positions is not None:
             x = x + positions.to(x.dtype)

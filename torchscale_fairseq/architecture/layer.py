@@ -66,7 +66,8 @@ class TransformerLayer(nn.Module):
         self.dropout = cfg.dropout
         attn_kwargs = dict(dropout=cfg.attention_dropout, subln=b.subln, gain=b.gain, layernorm_eps=cfg.layernorm_eps,
                            tp_group=cfg.tp_group, sequence_parallel=cfg.sequence_parallel,
-                           recompute_core=cfg.selective_recompute, backend=cfg.attention_backend)
+                           recompute_core=cfg.selective_recompute, backend=cfg.attention_backend,
+                           context_parallel=cfg.context_parallel)
         self.self_attn = MultiheadAttention(cfg.embed_dim, cfg.attention_heads, xpos=cfg.xpos, **attn_kwargs)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
         self.cross_attn = None

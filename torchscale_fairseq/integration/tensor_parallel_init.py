@@ -5,7 +5,7 @@ Stock ``distributed_utils.distributed_init`` imports the Megatron submodule when
 ``cfg.common.model_parallel_size > 1``. Ours runs it with the size hidden, then, at every
 size, builds the run's groups once
 (:func:`~torchscale_fairseq.model_parallel.parallel_context.build_parallel_context`: tensor,
-data, pipeline (``--pipeline-model-parallel-size``) and the expert groups of
+data, pipeline (``--pipeline-model-parallel-size``), context (``--context-parallel-size``) and the expert groups of
 ``--moe-expert-parallel-size``, or of every divisor of the data-parallel size when it is 0, the
 default, whose size follows from the expert count) and hands them to fairseq's factories
 (:func:`~torchscale_fairseq.model_parallel.parallel_context.set_parallel_context`); under tensor
@@ -66,8 +66,10 @@ def distributed_init(cfg) -> int:
         return rank
     model_cfg = getattr(cfg, "model", None)
     pipeline_size = (getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1) if model_cfg is not None else 1
-    data_size = dist.get_world_size() // (max(tp_size, 1) * pipeline_size)
-    context = build_parallel_context(max(tp_size, 1), pipeline_size, expert_parallel_sizes(model_cfg, data_size))
+    context_size = (getattr(model_cfg, "context_parallel_size", 1) or 1) if model_cfg is not None else 1
+    data_size = dist.get_world_size() // (max(tp_size, 1) * pipeline_size * context_size)
+    context = build_parallel_context(max(tp_size, 1), pipeline_size, expert_parallel_sizes(model_cfg, data_size),
+                                     context_size)
     set_parallel_context(context)
     if tp_size > 1:
         model_parallel_seed(cfg.common.seed, context.tensor_rank, tp_size)

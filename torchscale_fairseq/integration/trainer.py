@@ -4,7 +4,10 @@
 
 - data parallelism runs over our data-parallel group under tensor parallelism
   (Megatron-LM appendix B.1): gradients are averaged and batches sharded over it, and
-  the ranks of one tensor-parallel group see identical batches;
+  the ranks of one tensor-parallel group see identical batches; under ``--context-parallel-size``
+  the ranks of a context-parallel group read the same batch too, each keeps the targets of its
+  chunks (:mod:`.context_parallel_batches`), and gradients, sample sizes and statistics reduce
+  over the data-parallel x context-parallel group;
 - under ``--sequence-parallel`` the gradients of the parameters used on a slice of the
   sequence are summed over the tensor-parallel group before the norm;
 - the gradient norm counts every gradient once (the optimizer's ``clip_grad_norm`` is
@@ -71,11 +74,13 @@ from torchscale_fairseq.data.stream_iterator import StreamEpochBatchIterator
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.clip_grad_norm import use_parallel_context
+from torchscale_fairseq.integration.context_parallel_batches import context_parallel_sample
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.host_overhead import LazyLoggingOutput, no_gc_pause
 from torchscale_fairseq.integration.pipeline_step import ScheduledTrainer, check_pipeline_run
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
+from torchscale_fairseq.model_parallel.context_parallel import sequence_multiple
 from torchscale_fairseq.model_parallel.grads import sum_sequence_parallel_grads
 from torchscale_fairseq.model_parallel.parallel_context import current_parallel_context
 from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
@@ -146,6 +151,12 @@ class TsTrainer(ScheduledTrainer):
         self.parallel = current_parallel_context()  # the groups distributed_init built (read once, kept)
         if cfg.common.model_parallel_size > 1 and self.parallel.tensor_size != cfg.common.model_parallel_size:
             raise multi_process_error(cfg.common.model_parallel_size)
+        context_size = getattr(cfg.model, "context_parallel_size", 1) or 1
+        if context_size != self.parallel.context_size:
+            raise TsConfigError(
+                f"--context-parallel-size {context_size} needs a multi-process run of a multiple of {context_size} "
+                f"ranks (this one has {self.parallel.world_size}): launch them with torchrun or --distributed-world-size"
+            )
         check_foreign_flags(cfg.optimizer)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         bf16_without_tpu(cfg)
@@ -161,15 +172,42 @@ class TsTrainer(ScheduledTrainer):
 
     @property
     def data_parallel_world_size(self) -> int:
-        return self.parallel.data_size
+        return self.parallel.data_context_size
 
     @property
     def data_parallel_process_group(self):
-        return self.parallel.data_group
+        return self.parallel.data_context_group
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.parallel.data_rank
+        return self.parallel.data_context_rank
+
+    @contextlib.contextmanager
+    def _batch_shards(self) -> Iterator[None]:
+        """While fairseq builds an epoch iterator, its batches shard over the data-parallel ranks
+        only: the ranks of a context-parallel group read the same batches."""
+        parallel, original = self.parallel, self.task.get_batch_iterator
+        if parallel.context_size == 1:
+            yield
+            return
+
+        def sharded(*args, **kwargs):
+            if kwargs.get("num_shards", 1) == parallel.data_context_size:
+                kwargs.update(num_shards=parallel.data_size, shard_id=parallel.data_rank)
+            return original(*args, **kwargs)
+
+        with _building(self.task, "get_batch_iterator", sharded):
+            yield
+
+    def _prepare_sample(self, sample, is_dummy=False):
+        """Under context parallelism, this rank's targets of the sample (:mod:`.context_parallel_batches`;
+        the dummy batch too, split once)."""
+        if self.parallel.context_size > 1 and isinstance(sample, dict) and len(sample) > 0:
+            multiple = sequence_multiple(self.parallel.context_size, self.parallel.tensor_size,
+                                         bool(getattr(self.cfg.model, "sequence_parallel", False)))
+            sample = context_parallel_sample(sample, self.parallel.context_size, self.parallel.context_rank, multiple,
+                                             self.task.target_dictionary.pad())
+        return super()._prepare_sample(sample, is_dummy)
 
     @property
     def model(self):
@@ -345,8 +383,13 @@ class TsTrainer(ScheduledTrainer):
             raise checkpoint_write_error(filename, e) from e
 
     def get_train_iterator(self, *args, **kwargs):
-        self._train_iterator = super().get_train_iterator(*args, **kwargs)
+        with self._batch_shards():
+            self._train_iterator = super().get_train_iterator(*args, **kwargs)
         return self._train_iterator
+
+    def get_valid_iterator(self, *args, **kwargs):
+        with self._batch_shards():
+            return super().get_valid_iterator(*args, **kwargs)
 
     def consolidate_optimizer(self) -> None:
         """fairseq's, and the streaming tasks' stream positions of every data-parallel rank

@@ -1,16 +1,20 @@
 """The run's process groups in one object, built once at the edge and handed down.
 
-Rank order (Megatron-core's default): with ``W`` ranks, tensor-parallel size ``T``, pipeline
-size ``P`` and data-parallel size ``D = W / (T P)``, the rank at tensor position ``t``,
-data-parallel position ``d`` and pipeline stage ``p`` is
+Rank order (Megatron-core's default ``tp-cp-dp-pp``): with ``W`` ranks, tensor-parallel size
+``T``, context-parallel size ``C``, pipeline size ``P`` and data-parallel size ``D = W / (T C P)``,
+the rank at tensor position ``t``, context position ``c``, data-parallel position ``d`` and
+pipeline stage ``p`` is
 
-    global rank = t + T * (d + D * p)            (tensor fastest, then data, then pipeline)
+    global rank = t + T * (c + C * (d + D * p))  (tensor fastest, then context, data, pipeline)
 
-so a tensor-parallel group is ``T`` consecutive ranks, a data-parallel group the ranks ``T``
-apart inside one stage, a pipeline group the ranks ``T D`` apart; the embedding group of a
-pipeline joins its first and last stage (``P > 1``; at ``P = 1`` it is the rank itself). At
-``P = 1`` this is Megatron-LM appendix B.1. Experts are spread over the data-parallel groups
-(:mod:`.expert_parallel`), their groups created here too.
+so a tensor-parallel group is ``T`` consecutive ranks, a context-parallel group the ranks ``T``
+apart, a data-parallel group the ranks ``T C`` apart inside one stage, a pipeline group the ranks
+``T C D`` apart; the embedding group of a pipeline joins its first and last stage (``P > 1``; at
+``P = 1`` it is the rank itself). The data-context group (every ``(c, d)`` of one ``(t, p)``,
+``C D`` ranks) is where gradients are averaged: the ranks of a context-parallel group read the
+same batch but hold different tokens of it. At ``C = P = 1`` this is Megatron-LM appendix B.1.
+Experts are spread over the data-parallel groups (:mod:`.expert_parallel`), their groups created
+here too.
 
 :func:`build_parallel_context` creates every group (``dist.new_group`` is collective over the
 world: every rank calls it with the same arguments, in the same order), the expert groups for
@@ -45,16 +49,20 @@ from torchscale_fairseq.model_parallel.expert_parallel import (
 
 @dataclass(frozen=True)
 class GroupsLayout:
-    """The rank lists of every tensor-, data-, pipeline-parallel and embedding group."""
+    """The rank lists of every tensor-, data-, pipeline-parallel, embedding, context-parallel and
+    data-context group."""
 
     tensor: list[list[int]]
     data: list[list[int]]
     pipeline: list[list[int]]
     embedding: list[list[int]]
+    context: list[list[int]]
+    data_context: list[list[int]]
 
 
-def parallel_groups_layout(world_size: int, tensor_size: int, pipeline_size: int = 1) -> GroupsLayout:
-    """Every group's ranks for ``global rank = t + T (d + D p)`` (module docstring)."""
+def parallel_groups_layout(world_size: int, tensor_size: int, pipeline_size: int = 1,
+                           context_size: int = 1) -> GroupsLayout:
+    """Every group's ranks for ``global rank = t + T (c + C (d + D p))`` (module docstring)."""
     if tensor_size < 1 or world_size % tensor_size != 0:
         raise TsConfigError(
             f"--model-parallel-size {tensor_size} does not divide the world size {world_size}: "
@@ -66,25 +74,37 @@ def parallel_groups_layout(world_size: int, tensor_size: int, pipeline_size: int
             f"tensor-parallel position (world size {world_size}, --model-parallel-size {tensor_size}): use a "
             "pipeline size that divides them"
         )
-    t_size, p_size = tensor_size, pipeline_size
-    d_size = world_size // (t_size * p_size)
+    if context_size < 1 or (world_size // (tensor_size * pipeline_size)) % context_size != 0:
+        raise TsConfigError(
+            f"--context-parallel-size {context_size} does not divide the {world_size // (tensor_size * pipeline_size)} "
+            f"rank(s) per tensor-parallel position and pipeline stage (world size {world_size}): use a context-parallel "
+            "size that divides them"
+        )
+    t_size, p_size, c_size = tensor_size, pipeline_size, context_size
+    d_size = world_size // (t_size * p_size * c_size)
 
-    def rank(t: int, d: int, p: int) -> int:
-        return t + t_size * (d + d_size * p)
+    def rank(t: int, d: int, p: int, c: int = 0) -> int:
+        return t + t_size * (c + c_size * (d + d_size * p))
 
-    tensor = [[rank(t, d, p) for t in range(t_size)] for p in range(p_size) for d in range(d_size)]
-    data = [[rank(t, d, p) for d in range(d_size)] for p in range(p_size) for t in range(t_size)]
-    pipeline = [[rank(t, d, p) for p in range(p_size)] for d in range(d_size) for t in range(t_size)]
+    cells = [(c, d) for d in range(d_size) for c in range(c_size)]
+    tensor = [[rank(t, d, p, c) for t in range(t_size)] for p in range(p_size) for c, d in cells]
+    data = [[rank(t, d, p, c) for d in range(d_size)] for p in range(p_size) for c in range(c_size)
+            for t in range(t_size)]
+    pipeline = [[rank(t, d, p, c) for p in range(p_size)] for c, d in cells for t in range(t_size)]
     embedding = [[ranks[0], ranks[-1]] if p_size > 1 else ranks for ranks in pipeline]
-    return GroupsLayout(tensor, data, pipeline, embedding)
+    context = [[rank(t, d, p, c) for c in range(c_size)] for p in range(p_size) for d in range(d_size)
+               for t in range(t_size)]
+    data_context = [[rank(t, d, p, c) for c, d in cells] for p in range(p_size) for t in range(t_size)]
+    return GroupsLayout(tensor, data, pipeline, embedding, context, data_context)
 
 
 @dataclass(frozen=True)
 class ParallelContext:
     """This rank's place in every group (``*_ranks``: the global ranks of its group, in group
     order; ``*_group``: the process group, ``None`` for a group of one; ``embedding_ranks`` is
-    empty on a middle pipeline stage) and the expert groups the context was built with, keyed by
-    their all-to-all size ``A`` (an expert parameter's tag,
+    empty on a middle pipeline stage; ``context_*``: the context-parallel group, ``data_context_*``
+    the data-parallel x context-parallel group gradients are averaged over) and the expert groups
+    the context was built with, keyed by their all-to-all size ``A`` (an expert parameter's tag,
     :func:`~torchscale_fairseq.model_parallel.attributes.expert_parallel_size`)."""
 
     world_size: int
@@ -98,6 +118,19 @@ class ParallelContext:
     pipeline_group: dist.ProcessGroup | None = None
     embedding_group: dist.ProcessGroup | None = None
     expert_groups: Mapping[int, ExpertGroups] = field(default_factory=dict)
+    context_ranks: tuple[int, ...] = ()
+    data_context_ranks: tuple[int, ...] = ()
+    context_group: dist.ProcessGroup | None = None
+    data_context_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        """Without context parallelism (the ranks left out): a context group of this rank alone,
+        and the data-context group is the data-parallel group."""
+        if not self.context_ranks:
+            object.__setattr__(self, "context_ranks", (self.rank,))
+        if not self.data_context_ranks:
+            object.__setattr__(self, "data_context_ranks", self.data_ranks)
+            object.__setattr__(self, "data_context_group", self.data_group)
 
     @classmethod
     def single_process(cls) -> ParallelContext:
@@ -123,6 +156,23 @@ class ParallelContext:
     @property
     def data_rank(self) -> int:
         return self.data_ranks.index(self.rank)
+
+    @property
+    def context_size(self) -> int:
+        return len(self.context_ranks)
+
+    @property
+    def context_rank(self) -> int:
+        return self.context_ranks.index(self.rank)
+
+    @property
+    def data_context_size(self) -> int:
+        """Ranks the gradients are averaged over: data-parallel x context-parallel."""
+        return len(self.data_context_ranks)
+
+    @property
+    def data_context_rank(self) -> int:
+        return self.data_context_ranks.index(self.rank)
 
     @property
     def pipeline_size(self) -> int:
@@ -179,16 +229,20 @@ def divisors(n: int) -> list[int]:
 
 
 def build_parallel_context(tensor_size: int, pipeline_size: int = 1,
-                           expert_parallel_sizes: Iterable[int] | None = None) -> ParallelContext:
+                           expert_parallel_sizes: Iterable[int] | None = None,
+                           context_size: int = 1) -> ParallelContext:
     """Create every group of the run after ``init_process_group``; every rank calls it with the same
     arguments. ``expert_parallel_sizes``: the all-to-all sizes ``A`` the model may ask for
     (``None``: every divisor of the data-parallel size; none on one data-parallel rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = parallel_groups_layout(world, tensor_size, pipeline_size)
+    layout = parallel_groups_layout(world, tensor_size, pipeline_size, context_size)
     tensor_ranks, tensor_group = _create_groups(layout.tensor, rank)
     data_ranks, data_group = _create_groups(layout.data, rank)
     pipeline_ranks, pipeline_group = _create_groups(layout.pipeline, rank)
     embedding_ranks, embedding_group = _create_groups(layout.embedding, rank)
+    context_ranks, context_group = _create_groups(layout.context, rank)
+    data_context_ranks, data_context_group = (_create_groups(layout.data_context, rank) if context_size > 1
+                                              else (data_ranks, data_group))
     data_size = len(data_ranks)
     sizes = divisors(data_size) if expert_parallel_sizes is None else expert_parallel_sizes
     expert_groups = {}
@@ -196,7 +250,8 @@ def build_parallel_context(tensor_size: int, pipeline_size: int = 1,
         for size in dict.fromkeys(int(a) for a in sizes):
             expert_groups[size] = build_expert_groups(layout.data, rank, data_group, size)
     return ParallelContext(world, rank, tensor_ranks, data_ranks, pipeline_ranks, embedding_ranks, tensor_group,
-                           data_group, pipeline_group, embedding_group, expert_groups)
+                           data_group, pipeline_group, embedding_group, expert_groups, context_ranks,
+                           data_context_ranks, context_group, data_context_group)
 
 
 _CURRENT: ParallelContext | None = None

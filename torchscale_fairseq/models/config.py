@@ -137,6 +137,11 @@ class TsCommonConfig(TsMoEConfig):
         metadata={"help": "in training, split LayerNorm, dropout and residual activations along the sequence over "
                           "the tensor-parallel group (Korthikanti et al. 2022); needs --model-parallel-size > 1"},
     )
+    context_parallel_size: int = field(
+        default=1,
+        metadata={"help": "split every sequence over this many ranks (ts_lm; chunks r and 2C-1-r of 2C per rank, "
+                          "ring attention; the data-parallel size becomes world / (model-parallel x pipeline x this))"},
+    )
     max_skipped_updates: int = field(
         default=MAX_SKIPPED_UPDATES,
         metadata={"help": "stop training after this many updates in a row are skipped for a non-finite gradient "

@@ -14,6 +14,11 @@ dropout mask and the dropped scores (the paper's ``5as/h`` bytes per ``sbh`` in 
 recomputation replays the default generator (``torch.utils.checkpoint``) and the
 tensor-parallel tracker streams (:func:`~torchscale_fairseq.model_parallel.random.checkpoint_context`),
 so attention dropout draws the same mask twice and the gradients are those without recomputation.
+
+Under context parallelism (``context_parallel``, training and evaluation without a decoding cache)
+the queries, keys and values are this rank's chunks of the sequence and causal self-attention
+runs as :func:`~torchscale_fairseq.model_parallel.context_parallel.ring_attention` over the
+context-parallel group (recomputed whole under selective recomputation).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.context_parallel import ContextParallelGroup, ring_attention
 from torchscale_fairseq.model_parallel.layers import (
     ColumnParallelLinear,
     ParallelLayerNorm,
@@ -112,6 +118,7 @@ class MultiheadAttention(nn.Module):
         sequence_parallel: bool = False,
         recompute_core: bool = False,
         backend: str = "auto",
+        context_parallel: Optional[ContextParallelGroup] = None,
     ) -> None:
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
@@ -148,6 +155,7 @@ class MultiheadAttention(nn.Module):
         self.xpos = XPos(self.head_dim) if xpos and self_attention else None
         self.cache_key = f"ts_attn_{uuid.uuid4().hex}"
         self.recompute_core = recompute_core
+        self.context_parallel = context_parallel if self_attention else None
 
     def _heads(self, x: torch.Tensor, parts: int) -> Tuple[torch.Tensor, ...]:
         """``(B, T, parts * h * d)`` -> ``parts`` views ``(B, h, T, d)``. Unbinding the
@@ -197,7 +205,9 @@ class MultiheadAttention(nn.Module):
         mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device, allowed)
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
-        if self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
+        if self.context_parallel is not None and incremental_state is None:
+            out = self._ring_core(q, k, v, mask, causal)
+        elif self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
             out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
         else:
             out = attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
@@ -216,6 +226,19 @@ class MultiheadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         choice = SDPBackend(torch._fused_sdp_choice(q, q, q, None, dropout_p, causal)).name
         return f"{choice} (SDPA's choice; force one with --ts-attention-backend)"
+
+    def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   causal: bool) -> torch.Tensor:
+        """Causal self-attention of this rank's chunks over the context-parallel group (module docstring)."""
+        if not causal or mask is not None:
+            raise TsConfigError(
+                "context parallelism splits causal self-attention without masks or biases only: use "
+                "--context-parallel-size 1 for bidirectional, padded or biased attention"
+            )
+        cp = self.context_parallel
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(ring_attention, q, k, v, cp.group, cp.ranks, use_reentrant=False)
+        return ring_attention(q, k, v, cp.group, cp.ranks)
 
     @staticmethod
     def _mask(
