@@ -23,10 +23,9 @@ case "$TORCH_BUILD" in
   *) echo "[install] error: TORCH_BUILD=$TORCH_BUILD is neither cpu nor cuda: set TORCH_BUILD=cpu or TORCH_BUILD=cuda" >&2; exit 2 ;;
 esac
 PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-case "$PYVER" in
-  3.11 | 3.12) ;;
-  *) echo "[install] error: $PY is Python $PYVER; torchscale-fairseq supports Python 3.11 and 3.12: set PYTHON=python3.11 or python3.12" >&2; exit 2 ;;
-esac
+if [ "${PYVER%%.*}" -lt 3 ] || { [ "${PYVER%%.*}" = 3 ] && [ "${PYVER#*.}" -lt 11 ]; }; then
+  echo "[install] error: $PY is Python $PYVER; torchscale-fairseq needs Python 3.11 or newer: set PYTHON=python3.11 (or 3.12, 3.13)" >&2; exit 2
+fi
 TORCH_INDEX=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
   TORCH_INDEX=(--index-url "$TORCH_INDEX_URL")

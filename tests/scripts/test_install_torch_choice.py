@@ -75,14 +75,27 @@ def test_bad_build_name_is_one_clear_error(tmp_path):
         "[install] error: TORCH_BUILD=rocm is neither cpu nor cuda: set TORCH_BUILD=cpu or TORCH_BUILD=cuda")
 
 
-def test_unsupported_python_is_one_line(tmp_path):
-    """A Python outside 3.11-3.12 stops before anything is made, naming the fix."""
-    fake = tmp_path / "python-3.10"
-    fake.write_text("#!/bin/sh\necho 3.10\n")
+def fake_python(tmp_path: Path, version: str) -> Path:
+    """An executable that answers every call with ``version``, as install.sh's version probe reads it."""
+    fake = tmp_path / f"python-{version}"
+    fake.write_text(f"#!/bin/sh\necho {version}\n")
     fake.chmod(0o755)
+    return fake
+
+
+def test_python_below_the_floor_is_one_line(tmp_path):
+    """A Python older than 3.11 stops before anything is made, naming the fix."""
+    fake = fake_python(tmp_path, "3.10")
     proc = decision(tmp_path, None, PYTHON=str(fake), INSTALL_DRY_RUN="0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"[install] error: {fake} is Python 3.10; torchscale-fairseq supports Python 3.11 and 3.12: "
-        "set PYTHON=python3.11 or python3.12")
+        f"[install] error: {fake} is Python 3.10; torchscale-fairseq needs Python 3.11 or newer: "
+        "set PYTHON=python3.11 (or 3.12, 3.13)")
     assert not (tmp_path / "venv").exists()
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.13", "3.14"])
+def test_python_from_the_floor_up_is_accepted(tmp_path, version):
+    """No ceiling: 3.11 and every newer Python reach the torch decision (setup.py has no upper bound)."""
+    proc = decision(tmp_path, None, PYTHON=str(fake_python(tmp_path, version)))
+    assert line(proc).startswith("[install] torch: build cpu, pip install torch==2.13.0")

@@ -1,0 +1,73 @@
+"""The README's "Supported versions" matrix is docs/compat/matrix.jsonl rendered by
+scripts/compat_table.py, and the script reads pytest's summary and the cells as written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("compat_table", REPO / "scripts" / "compat_table.py")
+compat_table = sys.modules.setdefault("compat_table", importlib.util.module_from_spec(spec))
+spec.loader.exec_module(compat_table)
+
+
+def test_readme_table_equals_the_matrix_file():
+    """Every row of README's table is the latest line of its cell in docs/compat/matrix.jsonl."""
+    records = [json.loads(t) for t in (REPO / "docs/compat/matrix.jsonl").read_text().splitlines() if t.strip()] \
+        if (REPO / "docs/compat/matrix.jsonl").exists() else []
+    readme = compat_table.readme_table((REPO / "README.md").read_text())
+    rows = readme.splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [cell.name for cell in compat_table.CELLS]
+    latest = {r["cell"]: r for r in records}
+    for row in rows:
+        fields = [f.strip() for f in row.strip("|").split("|")]
+        r = latest.get(fields[0])
+        if r is None:
+            assert fields[5] == "not measured at HEAD"
+        else:
+            assert fields[1:4] == [r["python"], r["torch"], r["numpy"]]
+            assert fields[4] == f"{r['transformers']} + {r['transformers_floor']}"
+            assert fields[5] == f"{r['passed']} / {r['failed']} / {r['errors']}"
+            assert fields[7].startswith(f"{r['date']}, {r['commit']}")
+    assert subprocess.run(["python3", str(REPO / "scripts/compat_table.py"), "check"]).returncode == 0
+
+
+@pytest.mark.parametrize("summary, counts", [
+    ("===== 812 passed, 136 deselected, 3 warnings in 788.12s (0:13:08) =====",
+     {"passed": 812, "failed": 0, "errors": 0, "deselected": 136, "pytest_seconds": 788.12}),
+    ("==== 2 failed, 810 passed, 136 deselected, 1 error in 790.00s (0:13:10) ====",
+     {"passed": 810, "failed": 2, "errors": 1, "deselected": 136, "pytest_seconds": 790.0}),
+])
+def test_pytest_counts_read_the_last_summary(summary, counts):
+    log = "collected 948 items\n===== 1 passed in 0.1s =====\n..F.\n" + summary + "\n"
+    assert compat_table.pytest_counts(log) == counts
+
+
+def test_a_log_without_summary_is_one_line_error():
+    with pytest.raises(SystemExit, match="no pytest summary line"):
+        compat_table.pytest_counts("Traceback: killed\n")
+
+
+def test_rendered_row_quotes_the_line():
+    line = {"cell": "py313-torchnewest", "date": "2026-11-29 02:40", "commit": "abc1234", "dirty": False,
+            "python": "3.13.0", "torch": "2.15.0", "numpy": "2.4.6", "transformers": "5.24.0",
+            "transformers_floor": "5.0.0", "passed": 812, "failed": 0, "errors": 0, "minutes": 41.25,
+            "workers": 1}
+    rows = compat_table.table([line]).splitlines()
+    assert "| py313-torchnewest | 3.13.0 | 2.15.0 | 2.4.6 | 5.24.0 + 5.0.0 | 812 / 0 / 0 | 41.25 min (TS_TEST_WORKERS=1) " \
+           "| 2026-11-29 02:40, abc1234 |" in rows
+    assert "| py311-torch211 | 3.11 | 2.11.0 | 1.26.4 | newest + floor | not measured at HEAD | | |" in rows
+
+
+def test_matrix_script_names_its_cells_and_refuses_unknown_ones():
+    proc = subprocess.run(["bash", str(REPO / "scripts/compat_matrix.sh"), "py39-torch1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("[compat_matrix] error: unknown cell py39-torch1: choose from " +
+                                   " ".join(c.name for c in compat_table.CELLS))
