@@ -158,24 +158,18 @@ class GroupedLinear(torch.autograd.Function):
 
 
 class GatherGroupedLinear(torch.autograd.Function):
-    """``y_r = b_e + x_{i_r} W_e``: :class:`GroupedLinear` on the rows ``x[index]`` of the tokens
-    ``x`` (T, d_in), gathered inside the computation (per expert in the loop; transient before the
-    grouped GEMM) and not saved: backward gathers them again for ``dW`` and adds the rows'
-    gradients back into the tokens (``dx_t = sum_{r: i_r = t} dy_r W_e^T``, one ``index_add``).
-    In the loop, ``index`` holds just the grouped rows."""
+    """``y_r = b_e + x_{i_r} W_e``: the grouped-GEMM :class:`GroupedLinear` on the rows ``x[index]`` of
+    the tokens ``x`` (T, d_in), gathered inside the computation (a transient operand of the grouped
+    GEMM) and not saved: backward gathers them again for ``dW`` and adds the rows' gradients back
+    into the tokens (``dx_t = sum_{r: i_r = t} dy_r W_e^T``, one ``index_add``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                groups: list[int] | RowGroups, buffers: GradBuffers, name: str, grouped: bool) -> torch.Tensor:
+                groups: RowGroups) -> torch.Tensor:
         ctx.save_for_backward(x, index, weight)
-        ctx.groups, ctx.buffers, ctx.name, ctx.grouped = groups, buffers, name, grouped
-        if grouped:
-            out = torch._grouped_mm(x.index_select(0, index), weight, offs=groups.offs)
-            return groups.mask(out + bias[groups.expert])
-        out = x.new_empty(index.size(0), weight.size(2))
-        for e, lo, hi in _groups(groups):
-            torch.addmm(bias[e], x.index_select(0, index[lo:hi]), weight[e], out=out[lo:hi])
-        return out
+        ctx.groups, ctx.grouped = groups, True
+        out = torch._grouped_mm(x.index_select(0, index), weight, offs=groups.offs)
+        return groups.mask(out + bias[groups.expert])
 
     @staticmethod
     @once_differentiable
@@ -185,26 +179,21 @@ class GatherGroupedLinear(torch.autograd.Function):
         rows = x.index_select(0, index)
         drows, dw, db = _grouped_linear_backward(ctx, rows, weight, grad.to(x.dtype), (need_dx, need_dw, need_db))
         dx = torch.zeros_like(x).index_add_(0, index, drows) if need_dx else None
-        return dx, None, dw, db, None, None, None, None
+        return dx, None, dw, db, None
 
 
 class ScatterGroupedLinear(torch.autograd.Function):
-    """``out_t = sum_{r: i_r = t} g_r (b_e + h_r W_e)`` (T = ``num_tokens`` rows): :class:`GroupedLinear`
-    and the weighted combine as one scatter (``index_add``), with no weighted copy of the rows.
-    Backward: ``dg_r = <dout_{i_r}, y_r>``, ``dy_r = g_r dout_{i_r}``, then as :class:`GroupedLinear`."""
+    """``out_t = sum_{r: i_r = t} g_r (b_e + h_r W_e)`` (T = ``num_tokens`` rows): the grouped-GEMM
+    :class:`GroupedLinear` and the weighted combine as one scatter (``index_add``), with no weighted
+    copy of the rows. Backward: ``dg_r = <dout_{i_r}, y_r>``, ``dy_r = g_r dout_{i_r}``, then as
+    :class:`GroupedLinear`."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, index: torch.Tensor,
-                gate: torch.Tensor, num_tokens: int, groups: list[int] | RowGroups, buffers: GradBuffers,
-                name: str, grouped: bool) -> torch.Tensor:
-        if grouped:
-            y = groups.mask(torch._grouped_mm(h, weight, offs=groups.offs) + bias[groups.expert])
-        else:
-            y = h.new_empty(h.size(0), weight.size(2))
-            for e, lo, hi in _groups(groups):
-                torch.addmm(bias[e], h[lo:hi], weight[e], out=y[lo:hi])
+                gate: torch.Tensor, num_tokens: int, groups: RowGroups) -> torch.Tensor:
+        y = groups.mask(torch._grouped_mm(h, weight, offs=groups.offs) + bias[groups.expert])
         ctx.save_for_backward(h, weight, y, index, gate)
-        ctx.groups, ctx.buffers, ctx.name, ctx.grouped = groups, buffers, name, grouped
+        ctx.groups, ctx.grouped = groups, True
         return y.new_zeros(num_tokens, y.size(1)).index_add_(0, index, y * gate.unsqueeze(1))
 
     @staticmethod
@@ -215,7 +204,7 @@ class ScatterGroupedLinear(torch.autograd.Function):
         dgate = (rows * y).sum(1) if ctx.needs_input_grad[4] else None
         dy = rows * gate.unsqueeze(1)
         dh, dw, db = _grouped_linear_backward(ctx, h, weight, dy, ctx.needs_input_grad[:3])
-        return dh, dw, db, None, dgate, None, None, None, None, None
+        return dh, dw, db, None, dgate, None, None
 
 
 def _grouped_linear_backward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
@@ -408,25 +397,23 @@ class GroupedExperts(nn.Module):
     def combine(self, tokens: torch.Tensor, index: torch.Tensor, gate: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
         """``out_t = sum_{r: index_r = t} gate_r expert_{e_r}(tokens_t)`` (T, d) for rows grouped by expert
-        (``counts[e]`` rows for expert ``e``, then rows for no expert, gate 0): the gather inside fc1
-        (:class:`GatherGroupedLinear`) and the combine inside fc2 (:class:`ScatterGroupedLinear`),
-        no permuted copy of the tokens and no weighted copy of the rows. Whole experts only
-        (no tensor-parallel split)."""
+        (``counts[e]`` rows for expert ``e``, then rows for no expert, gate 0) with grouped GEMMs: the
+        gather inside fc1 (:class:`GatherGroupedLinear`) and the combine inside fc2
+        (:class:`ScatterGroupedLinear`), no permuted copy of the tokens and no weighted copy of the
+        rows. Whole experts only (no tensor-parallel split)."""
         if group_size(self.tp_group) > 1:
             raise ValueError("GroupedExperts.combine runs whole experts: split experts go through forward()")
         fc1, fc2 = self.fc1_weight.to(tokens.dtype), self.fc2_weight.to(tokens.dtype)
-        grouped = self._grouped(tokens, fc1, fc2)
-        if grouped:
-            groups = RowGroups.of(counts, index.size(0))
-        else:
-            groups = counts.tolist()  # the loop's one host read
-            total = sum(groups)
-            index, gate = index[:total], gate[:total]
-        h = GatherGroupedLinear.apply(tokens, index, fc1, self.fc1_bias.to(tokens.dtype), groups, self.grad_buffers,
-                                      "fc1", grouped)
-        h = self._hidden(h, groups, grouped)
+        groups = RowGroups.of(counts, index.size(0))
+        h = GatherGroupedLinear.apply(tokens, index, fc1, self.fc1_bias.to(tokens.dtype), groups)
+        h = self._hidden(h, groups, True)
         return ScatterGroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), index, gate.to(h.dtype), tokens.size(0),
-                                          groups, self.grad_buffers, "fc2", grouped)
+                                          groups)
+
+    def runs_grouped(self, rows: torch.Tensor) -> bool:
+        """Whether the GEMMs of ``rows`` (their device and dtype) run as ``torch._grouped_mm``."""
+        fc1, fc2 = self.fc1_weight.to(rows.dtype), self.fc2_weight.to(rows.dtype)
+        return self._grouped(rows, fc1, fc2)
 
     def _grouped(self, rows: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
         if self.grouped_mm is not None:

@@ -251,11 +251,13 @@ class MoELayer(nn.Module):
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert (the kept assignments first, in expert
         order; then the rest, which no expert computes), run the experts, weight and add back.
-        With :attr:`fused_dispatch` and local whole experts: :func:`~.gating.dispatch_plan`'s row
-        order (no second sort) and :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1,
-        the weighted combine inside fc2); otherwise, and as their reference, the steps one by one."""
+        With :attr:`fused_dispatch`, local whole experts and grouped GEMMs: :func:`~.gating.dispatch_plan`'s
+        row order (no second sort) and :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1,
+        the weighted combine inside fc2); otherwise, and as their reference, the steps one by one
+        (one GEMM per expert reads the counts on the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
-        if self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1:
+        if (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
+                and self.experts.runs_grouped(tokens)):
             plan = dispatch_plan(routing, num_experts)
             self._check_replay(plan.counts, memo)
             return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
