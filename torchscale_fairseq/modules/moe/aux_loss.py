@@ -36,18 +36,14 @@ class AuxLossScale:
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """``output`` unchanged (the same tensor, a new autograd node: ``output`` must be a fresh
-    non-leaf result nothing has saved for backward); in backward ``d/d balance_loss = balance_scale``
-    and ``d/d z_loss = z_scale``, so the auxiliary losses are differentiated with the output."""
+    """``output`` unchanged; in backward ``d/d balance_loss = balance_scale`` and
+    ``d/d z_loss = z_scale``, so the auxiliary losses are differentiated with the output."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, balance_loss: torch.Tensor, z_loss: torch.Tensor,
                 balance_scale: torch.Tensor, z_scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(balance_scale.to(balance_loss.dtype), z_scale.to(z_loss.dtype))
-        # marked as modified in place: autograd (and torch.compile) take the returned tensor as this
-        # node's output without a copy; an unmarked alias (view_as) loses the gradients under compile
-        ctx.mark_dirty(output)
-        return output
+        return output.clone()  # (an alias of the input loses the gradients under torch.compile)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
