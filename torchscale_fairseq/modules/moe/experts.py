@@ -134,7 +134,7 @@ class GroupedLinear(torch.autograd.Function):
                 counts: list[int] | torch.Tensor | RowGroups, buffers: GradBuffers, name: str,
                 grouped: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.buffers, ctx.name, ctx.grouped = counts, buffers, name, grouped
+        ctx.groups, ctx.buffers, ctx.name, ctx.grouped = counts, buffers, name, grouped
         if grouped:
             if not isinstance(counts, RowGroups):
                 counts = RowGroups.of(torch.as_tensor(counts, device=x.device), x.size(0))
@@ -153,28 +153,84 @@ class GroupedLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad = grad.to(x.dtype)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if ctx.grouped:
-            groups = ctx.groups
-            grad = groups.mask(grad)
-            dx = groups.mask(torch._grouped_mm(grad, weight.transpose(1, 2), offs=groups.offs)) if need_dx else None
-            dw = torch._grouped_mm(x.t(), grad, offs=groups.offs) if need_dw else None  # empty groups: zero
-            db = _sum_rows_by_expert(grad, groups.expert, weight.size(0)) if need_db else None
-            return dx, dw, db, None, None, None, None
-        dx = x.new_empty(x.shape) if need_dx else None
-        dw = ctx.buffers.empty(ctx.name, weight) if need_dw else None
-        db = grad.new_zeros(weight.size(0), weight.size(2)) if need_db else None
-        if dw is not None and 0 in ctx.counts:
-            dw.zero_()
-        for e, lo, hi in _groups(ctx.counts):
-            if dx is not None:
-                torch.mm(grad[lo:hi], weight[e].t(), out=dx[lo:hi])
-            if dw is not None:
-                torch.mm(x[lo:hi].t(), grad[lo:hi], out=dw[e])
-            if db is not None:
-                torch.sum(grad[lo:hi], 0, out=db[e])
+        dx, dw, db = _grouped_linear_backward(ctx, x, weight, grad.to(x.dtype), ctx.needs_input_grad[:3])
         return dx, dw, db, None, None, None, None
+
+
+class GatherGroupedLinear(torch.autograd.Function):
+    """``y_r = b_e + x_{i_r} W_e``: the grouped-GEMM :class:`GroupedLinear` on the rows ``x[index]`` of
+    the tokens ``x`` (T, d_in), gathered inside the computation (a transient operand of the grouped
+    GEMM) and not saved: backward gathers them again for ``dW`` and adds the rows' gradients back
+    into the tokens (``dx_t = sum_{r: i_r = t} dy_r W_e^T``, one ``index_add``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                groups: RowGroups) -> torch.Tensor:
+        ctx.save_for_backward(x, index, weight)
+        ctx.groups, ctx.grouped = groups, True
+        out = torch._grouped_mm(x.index_select(0, index), weight, offs=groups.offs)
+        return groups.mask(out + bias[groups.expert])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, index, weight = ctx.saved_tensors
+        need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
+        rows = x.index_select(0, index)
+        drows, dw, db = _grouped_linear_backward(ctx, rows, weight, grad.to(x.dtype), (need_dx, need_dw, need_db))
+        dx = torch.zeros_like(x).index_add_(0, index, drows) if need_dx else None
+        return dx, None, dw, db, None
+
+
+class ScatterGroupedLinear(torch.autograd.Function):
+    """``out_t = sum_{r: i_r = t} g_r (b_e + h_r W_e)`` (T = ``num_tokens`` rows): the grouped-GEMM
+    :class:`GroupedLinear` and the weighted combine as one scatter (``index_add``), with no weighted
+    copy of the rows. Backward: ``dg_r = <dout_{i_r}, y_r>``, ``dy_r = g_r dout_{i_r}``, then as
+    :class:`GroupedLinear`."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, index: torch.Tensor,
+                gate: torch.Tensor, num_tokens: int, groups: RowGroups) -> torch.Tensor:
+        y = groups.mask(torch._grouped_mm(h, weight, offs=groups.offs) + bias[groups.expert])
+        ctx.save_for_backward(h, weight, y, index, gate)
+        ctx.groups, ctx.grouped = groups, True
+        return y.new_zeros(num_tokens, y.size(1)).index_add_(0, index, y * gate.unsqueeze(1))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        h, weight, y, index, gate = ctx.saved_tensors
+        rows = grad.to(y.dtype).index_select(0, index)
+        dgate = (rows * y).sum(1) if ctx.needs_input_grad[4] else None
+        dy = rows * gate.unsqueeze(1)
+        dh, dw, db = _grouped_linear_backward(ctx, h, weight, dy, ctx.needs_input_grad[:3])
+        return dh, dw, db, None, dgate, None, None
+
+
+def _grouped_linear_backward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                             needs: tuple[bool, ...]) -> tuple:
+    """``(dx, dW, db)`` of :class:`GroupedLinear` (``ctx``: its groups, buffers, name and mode)."""
+    need_dx, need_dw, need_db = needs
+    if ctx.grouped:
+        groups = ctx.groups
+        grad = groups.mask(grad)
+        dx = groups.mask(torch._grouped_mm(grad, weight.transpose(1, 2), offs=groups.offs)) if need_dx else None
+        dw = torch._grouped_mm(x.t(), grad, offs=groups.offs) if need_dw else None  # empty groups: zero
+        db = _sum_rows_by_expert(grad, groups.expert, weight.size(0)) if need_db else None
+        return dx, dw, db
+    dx = x.new_empty(x.shape) if need_dx else None
+    dw = ctx.buffers.empty(ctx.name, weight) if need_dw else None
+    db = grad.new_zeros(weight.size(0), weight.size(2)) if need_db else None
+    if dw is not None and 0 in ctx.groups:
+        dw.zero_()
+    for e, lo, hi in _groups(ctx.groups):
+        if dx is not None:
+            torch.mm(grad[lo:hi], weight[e].t(), out=dx[lo:hi])
+        if dw is not None:
+            torch.mm(x[lo:hi].t(), grad[lo:hi], out=dw[e])
+        if db is not None:
+            torch.sum(grad[lo:hi], 0, out=db[e])
+    return dx, dw, db
 
 
 def _sum_rows_by_expert(grad: torch.Tensor, expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -327,8 +383,7 @@ class GroupedExperts(nn.Module):
         if len(counts) != self.fc1_weight.size(0):
             raise ValueError(f"counts for {len(counts)} experts, but {self.fc1_weight.size(0)} local experts")
         fc1, fc2 = self.fc1_weight.to(rows.dtype), self.fc2_weight.to(rows.dtype)
-        grouped = self.grouped_mm if self.grouped_mm is not None else (
-            grouped_mm_fits(rows, fc1) and grouped_mm_fits(rows, fc2))
+        grouped = self._grouped(rows, fc1, fc2)
         if grouped:
             return self._forward(rows, RowGroups.of(torch.as_tensor(counts, device=rows.device), rows.size(0)),
                                  fc1, fc2, True)
@@ -339,9 +394,34 @@ class GroupedExperts(nn.Module):
         out = self._forward(rows[:total], sizes, fc1, fc2, False)
         return out if total == rows.size(0) else torch.cat([out, out.new_zeros(rows.size(0) - total, out.size(1))])
 
-    def _forward(self, rows: torch.Tensor, groups: RowGroups | list[int], fc1: torch.Tensor, fc2: torch.Tensor,
-                 grouped: bool) -> torch.Tensor:
-        h = GroupedLinear.apply(rows, fc1, self.fc1_bias.to(rows.dtype), groups, self.grad_buffers, "fc1", grouped)
+    def combine(self, tokens: torch.Tensor, index: torch.Tensor, gate: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """``out_t = sum_{r: index_r = t} gate_r expert_{e_r}(tokens_t)`` (T, d) for rows grouped by expert
+        (``counts[e]`` rows for expert ``e``, then rows for no expert, gate 0) with grouped GEMMs: the
+        gather inside fc1 (:class:`GatherGroupedLinear`) and the combine inside fc2
+        (:class:`ScatterGroupedLinear`), no permuted copy of the tokens and no weighted copy of the
+        rows. Whole experts only (no tensor-parallel split)."""
+        if group_size(self.tp_group) > 1:
+            raise ValueError("GroupedExperts.combine runs whole experts: split experts go through forward()")
+        fc1, fc2 = self.fc1_weight.to(tokens.dtype), self.fc2_weight.to(tokens.dtype)
+        groups = RowGroups.of(counts, index.size(0))
+        h = GatherGroupedLinear.apply(tokens, index, fc1, self.fc1_bias.to(tokens.dtype), groups)
+        h = self._hidden(h, groups, True)
+        return ScatterGroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), index, gate.to(h.dtype), tokens.size(0),
+                                          groups)
+
+    def runs_grouped(self, rows: torch.Tensor) -> bool:
+        """Whether the GEMMs of ``rows`` (their device and dtype) run as ``torch._grouped_mm``."""
+        fc1, fc2 = self.fc1_weight.to(rows.dtype), self.fc2_weight.to(rows.dtype)
+        return self._grouped(rows, fc1, fc2)
+
+    def _grouped(self, rows: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        return grouped_mm_fits(rows, fc1) and grouped_mm_fits(rows, fc2)
+
+    def _hidden(self, h: torch.Tensor, groups: RowGroups | list[int], grouped: bool) -> torch.Tensor:
+        """Activation, activation dropout and Sub-LN between the two projections."""
         h = activate(h, self.activation)
         split = group_size(self.tp_group) > 1
         if self.activation_dropout > 0 and self.training:
@@ -352,6 +432,13 @@ class GroupedExperts(nn.Module):
             w, b = self.ln_weight.to(h.dtype), self.ln_bias.to(h.dtype)
             h = (groups.mask(h * w[groups.expert] + b[groups.expert]) if grouped
                  else GroupedAffine.apply(h, w, b, groups))
+        return h
+
+    def _forward(self, rows: torch.Tensor, groups: RowGroups | list[int], fc1: torch.Tensor, fc2: torch.Tensor,
+                 grouped: bool) -> torch.Tensor:
+        h = GroupedLinear.apply(rows, fc1, self.fc1_bias.to(rows.dtype), groups, self.grad_buffers, "fc1", grouped)
+        h = self._hidden(h, groups, grouped)
+        split = group_size(self.tp_group) > 1
         if not split:
             return GroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), groups, self.grad_buffers, "fc2", grouped)
         partial = GroupedLinear.apply(h, fc2, None, groups, self.grad_buffers, "fc2", grouped)

@@ -61,6 +61,34 @@ class Routing:
         return self.token[keep], self.expert[keep], self.slot[keep], self.gate[keep]
 
 
+@dataclass
+class DispatchPlan:
+    """The rows the experts compute, grouped by expert: row ``r`` is token ``token[r]`` with
+    weight ``gate[r]``; ``counts[e]`` rows for expert ``e`` (the kept assignments), then the rest
+    (gate 0, computed by no expert). All ``T k`` rows, so the shapes never depend on the routing."""
+
+    token: torch.Tensor
+    gate: torch.Tensor
+    counts: torch.Tensor
+
+
+def dispatch_plan(routing: Routing, num_experts: int) -> DispatchPlan:
+    """Each assignment's row without sorting again: a kept one goes to ``start[e] + slot`` (``start``
+    the exclusive cumulative kept count per expert; kept slots are ``0 .. n_e - 1`` in priority
+    order), the others after all kept rows in their given order: the order of a stable sort by
+    expert with the unkept last."""
+    kept = routing.kept
+    expert = torch.where(kept, routing.expert, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=kept.device).index_add_(
+        0, expert, torch.ones_like(expert))
+    starts = torch.cumsum(counts, 0) - counts
+    unkept_rank = torch.cumsum(~kept, 0) - 1
+    row = torch.where(kept, starts[expert] + routing.slot, starts[num_experts] + unkept_rank)
+    token = torch.empty_like(routing.token).scatter_(0, row, routing.token)
+    gate = torch.empty_like(routing.gate).scatter_(0, row, routing.gate)
+    return DispatchPlan(token, gate, counts[:num_experts])
+
+
 def real_token_count(num_tokens: int, real: torch.Tensor | None) -> int | torch.Tensor:
     """``num_tokens`` without a padding mask, else the real tokens as a 0-d tensor (no host read)."""
     return num_tokens if real is None else real.sum()

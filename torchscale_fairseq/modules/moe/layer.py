@@ -64,6 +64,7 @@ from torchscale_fairseq.model_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.all_to_all import all_gather_counts, exchange
 from torchscale_fairseq.modules.moe.aux_loss import AuxLossScale, MoEAuxLossAutoScaler
@@ -79,6 +80,7 @@ from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
     Routing,
+    dispatch_plan,
     expert_choice_routing,
     top_k_routing,
 )
@@ -179,6 +181,7 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = self.expert_load = None
         self.aux_loss_scale: AuxLossScale | None = None  # set per micro-batch (aux_loss.set_aux_loss_scale)
+        self.fused_dispatch = True  # False: the step-by-step reference of dispatch_combine
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``bfloat16()`` keep the expert bias in fp32 (Megatron-core does too)."""
@@ -247,8 +250,17 @@ class MoELayer(nn.Module):
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert (the kept assignments first, in expert
-        order; then the rest, which no expert computes), run the experts, weight and add back."""
+        order; then the rest, which no expert computes), run the experts, weight and add back.
+        With :attr:`fused_dispatch`, local whole experts and grouped GEMMs: :func:`~.gating.dispatch_plan`'s
+        row order (no second sort) and :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1,
+        the weighted combine inside fc2); otherwise, and as their reference, the steps one by one
+        (one GEMM per expert reads the counts on the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
+        if (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
+                and self.experts.runs_grouped(tokens)):
+            plan = dispatch_plan(routing, num_experts)
+            self._check_replay(plan.counts, memo)
+            return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
         expert = torch.where(routing.kept, routing.expert, num_experts)
         order = torch.sort(expert, stable=True).indices
         token = routing.token[order]
@@ -260,6 +272,19 @@ class MoELayer(nn.Module):
         weighted = out * routing.gate[order].to(out.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, token, weighted)
 
+    def _check_replay(self, counts: torch.Tensor, memo: RecomputeMemo | None) -> None:
+        """In a recomputation, assert (on the device) that the routing gave the first run's counts;
+        in a first run, keep them."""
+        if memo is None:
+            return
+        if memo.filled:
+            torch._assert_async(
+                (counts == memo.counts).all(),
+                f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it: its routing "
+                "must be a function of its input and the replayed random generators")
+        else:
+            memo.counts = counts
+
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, memo: RecomputeMemo | None = None) -> torch.Tensor:
         """``rows`` grouped by expert (``counts[e]`` for expert ``e``, then rows for no expert)
         through the experts, wherever they live; the rows for no expert come back zero. Across
@@ -270,10 +295,7 @@ class MoELayer(nn.Module):
         if kept), and the routing must have given the same counts (checked on the device)."""
         par = self.parallel
         if memo is not None and memo.filled:
-            torch._assert_async(
-                (counts == memo.counts).all(),
-                f"MoE layer {self.tag!r} routed differently when activation checkpointing recomputed it: its routing "
-                "must be a function of its input and the replayed random generators")
+            self._check_replay(counts, memo)
             table = memo.table
         else:
             table = None if par.group is None else all_gather_counts(counts, par.group)
