@@ -3,7 +3,8 @@
 (the same run without sharding) and one process (``--update-freq 2``: the same batches per update):
 
 - per-update loss and ``gnorm``, and the validation loss, equal as logged (6 significant digits,
-  as ``test_zero_sharding``): the reduce-scatter averages what DDP's all-reduce averages;
+  as ``test_zero_sharding``): the reduce-scatter averages what DDP's all-reduce averages; also
+  at TP=2 x DP=2 with sequence parallelism (the DP mesh is the data-parallel group of each part);
 - each rank's Adam moments are half of the model's (every parameter split on dimension 0);
 - the checkpoint holds the unsharded run's state, bitwise;
 - resuming from the update-2 checkpoint goes on exactly: ``full`` from ``full``, ``os`` and none
@@ -32,6 +33,7 @@ UPDATES = 4
 TINY = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", "2"]
 FULL = ["--zero-sharding", "full"]
+TP = ["--model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _command(data: Path, save: Path, *flags: str) -> list[str]:
@@ -87,9 +89,10 @@ def runs(lm_data, tmp_path_factory) -> dict:
             ("full-from-full", lambda: resume("full-from-full", "full", *FULL)),
             ("os-from-full", lambda: resume("os-from-full", "full", "--zero-sharding", "os")),
             ("ddp-from-full", lambda: resume("ddp-from-full", "full")),
-            ("full-from-ddp", lambda: resume("full-from-ddp", "ddp", *FULL))]
+            ("full-from-ddp", lambda: resume("full-from-ddp", "ddp", *FULL)),
+            ("tp", lambda: start("tp", *FULL, *TP, world=4))]
     logs = {}
-    for pair in (plan[:2], plan[2:4], plan[4:6], plan[6:]):  # the resumes need the first two's checkpoints
+    for pair in (plan[:2], plan[2:4], plan[4:6], plan[6:7], plan[7:]):  # the resumes need the first two's checkpoints
         started = [(name, begin()) for name, begin in pair]
         for name, (procs, run_logs) in started:
             wait_all(procs, run_logs)
@@ -105,6 +108,15 @@ def test_full_equals_ddp_and_one_process_per_update(runs):
     valid = _valid_losses(runs["ddp"][0])
     assert sorted(valid) == [2, 4]
     assert _valid_losses(runs["full"][0]) == valid == _valid_losses(runs["one"][0])
+
+
+def test_full_under_tensor_parallelism_equals_ddp(runs):
+    """TP=2 x DP=2 (sequence-parallel): each tensor-parallel part sharded over its data-parallel
+    group, the same per-update loss, ``gnorm`` and validation loss as DP=2 without either."""
+    assert _losses(runs["tp"][0]) == _losses(runs["ddp"][0])
+    assert _valid_losses(runs["tp"][0]) == _valid_losses(runs["ddp"][0])
+    parts = sorted(p.name for p in (runs["root"] / "tp" / "save").glob("checkpoint_last*.pt"))
+    assert parts == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
 
 
 def test_each_rank_holds_half_the_moments(runs):
