@@ -135,11 +135,29 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def between_markers(text: str, begin: str, end: str, tool: str) -> str:
+    """The text between README's markers ``begin`` ... ``end`` (without the newlines next to them)."""
+    if begin not in text or end not in text:
+        raise SystemExit(f"[{tool}] error: README.md lacks the markers {begin!r} ... {end!r}: "
+                         "put them around the generated text")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
 def readme_table(text: str) -> str:
-    """The text between README's markers (without the newlines next to them)."""
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"[compat_table] error: README.md lacks the markers {BEGIN!r} ... {END!r}: put them around the table")
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    return between_markers(text, BEGIN, END, "compat_table")
+
+
+def sync_readme(command: str, begin: str, end: str, body: str, tool: str, source: str) -> int:
+    """``readme``: write ``body`` between README's markers; ``check``: 1 when they hold other text."""
+    text = README.read_text()
+    current = between_markers(text, begin, end, tool)
+    if command == "readme":
+        before, rest = text.split(begin, 1)
+        README.write_text(f"{before}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}")
+    elif current != body:
+        print(f"[{tool}] README's text differs from {source}: run python scripts/{tool}.py readme", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -148,16 +166,8 @@ def main(argv: list[str]) -> int:
         print("\n".join(f"{c.name}|{c.python}|{c.torch}|{c.numpy}" for c in CELLS))
     elif command == "record" and len(args) == 5:
         print(json.dumps(record(*args)))
-    elif command == "readme" and not args:
-        text = README.read_text()
-        readme_table(text)  # the markers are there
-        before, rest = text.split(BEGIN, 1)
-        README.write_text(f"{before}{BEGIN}\n{table(lines())}\n{END}{rest.split(END, 1)[1]}")
-    elif command == "check" and not args:
-        if readme_table(README.read_text()) != table(lines()):
-            print("[compat_table] README's table differs from docs/compat/matrix.jsonl: "
-                  "run python scripts/compat_table.py readme", file=sys.stderr)
-            return 1
+    elif command in ("readme", "check") and not args:
+        return sync_readme(command, BEGIN, END, table(lines()), "compat_table", "docs/compat/matrix.jsonl")
     else:
         print(__doc__, file=sys.stderr)
         return 2
