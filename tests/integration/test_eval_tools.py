@@ -97,3 +97,24 @@ def test_hub_interface_translate_and_sample(mt_data, mt_ckpt, lm_data, lm_ckpt):
     assert sample.startswith("w1 w2") and len(sample.split()) > 2
     scored = lm.score("w1 w2 w3")
     assert math.isfinite(float(scored["positional_scores"].mean()))
+
+
+def test_fp8_checkpoint_evaluates_on_cpu_with_the_named_override(lm_data, lm_ckpt, tmp_path):
+    """A checkpoint whose config says ``--fp8`` (FP8 changes the GEMMs, not the parameters) is
+    refused on the CPU in one line naming ``--model-overrides``; with it, it scores exactly as the
+    same weights saved without ``--fp8``."""
+    state = torch.load(lm_ckpt / "checkpoint_best.pt", weights_only=False)
+    state["cfg"]["model"]["fp8"] = "tensorwise"
+    torch.save(state, tmp_path / "fp8.pt")
+    common = ["--user-dir", USER_DIR, "--cpu", "--tokens-per-sample", "32", "--batch-size", "8"]
+    refused, overridden, plain = run_many([
+        [tool("fairseq-eval-lm"), lm_data, "--path", tmp_path / "fp8.pt", *common],
+        [tool("fairseq-eval-lm"), lm_data, "--path", tmp_path / "fp8.pt", *common, "--model-overrides",
+         "{'fp8': 'none'}"],
+        [tool("fairseq-eval-lm"), lm_data, "--path", lm_ckpt / "checkpoint_best.pt", *common],
+    ], check=False)
+    assert refused.returncode != 0
+    assert "--model-overrides \"{'fp8': 'none'}\"" in refused.stderr.strip().splitlines()[-1]
+    ppl = [re.search(r"Perplexity: ([\d.]+)", p.stdout + p.stderr) for p in (overridden, plain)]
+    assert all(ppl), overridden.stderr[-2000:]
+    assert ppl[0].group(1) == ppl[1].group(1)

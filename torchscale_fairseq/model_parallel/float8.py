@@ -61,15 +61,20 @@ def default_fp8_filter(recipe: str) -> ModuleFilter:
     return lambda name, module: fp8_shape_rule(recipe, *module.weight.shape)
 
 
+#: FP8 changes only the GEMMs, not the parameters, so an FP8-trained checkpoint evaluates without it.
+EVAL_HINT = " (to evaluate an --fp8 checkpoint on this device: --model-overrides \"{'fp8': 'none'}\")"
+
+
 def fp8_refusal(device_type: str, capability: tuple[int, int] | None) -> str | None:
     """Why FP8 cannot run on this device (one line), or None. ``capability``: the CUDA device's
     compute capability."""
     if device_type != "cuda":
-        return "--fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper), not the CPU: drop --fp8"
+        return ("--fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper), not the CPU: "
+                f"drop --fp8{EVAL_HINT}")
     if capability is None or tuple(capability) < FP8_MIN_CAPABILITY:
         have = "unknown" if capability is None else "%d.%d" % tuple(capability)
         return (f"--fp8 needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); this GPU has {have}: "
-                "drop --fp8")
+                f"drop --fp8{EVAL_HINT}")
     return None
 
 
