@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.11",
-        "numpy>=1.26,<2.6",
+        "numpy>=1.26",
         "fairseq-fixed==0.12.3.1",
         "sentencepiece",
         "tiktoken",
@@ -22,7 +22,7 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist>=3", "ruff", "torchao==0.17.0"],  # torchao: --fp8 (emulated on the CPU)
         "plots": ["matplotlib"],
-        "export": ["transformers>=5.0.0,<6", "safetensors>=0.8,<0.9", "tokenizers"],
+        "export": ["transformers>=5.0.0", "safetensors>=0.8", "tokenizers"],
     },
     entry_points={"console_scripts": [
         "ts-reshard = torchscale_fairseq.cli.reshard:main",
