@@ -1,7 +1,7 @@
 """Fixes of upstream bugs in stock fairseq (0.12.2 / fairseq-fixed 0.12.3.1) on current
 Python, NumPy and PyTorch, and in PyTorch itself where the plugin meets them; nothing else.
-Each file holds one fix and names the bug and the versions it applies to. The plugin's features touch fairseq in
-:mod:`torchscale_fairseq.integration`.
+Each file holds one fix and names the bug and the versions it applies to. The plugin's
+features touch fairseq in :mod:`torchscale_fairseq.integration`.
 """
 
 from __future__ import annotations
