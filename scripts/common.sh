@@ -12,7 +12,10 @@
 # stages (LM recipes; NPROC_PER_NODE defaults to MP x PP); at MP > 1 fairseq writes one checkpoint part per
 # tensor-parallel rank (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over
 # data-parallel ranks), at PP > 1 one file per stage (NAME[-model_part-K]-stageP.pt); evaluation runs at
-# the same MP on one stage (expert shards consolidated, stages merged first).
+# the same MP on one stage (expert shards consolidated, stages merged first). ZERO = --zero-sharding:
+# none, os (optimizer state over the data-parallel ranks) or full (FSDP2: parameters, gradients and
+# optimizer state; LM recipes, bf16 or fp32, with MP and --sequence-parallel, not with PP or experts);
+# every ZERO writes the same checkpoint format, so evaluation and resumes need no conversion.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,6 +65,15 @@ WORLD=$((NNODES * NPROC_PER_NODE))
 [ "$WORLD" -ge 1 ] || die "NNODES x NPROC_PER_NODE must be at least 1"
 [ $((WORLD % MP)) = 0 ] || die "MP=$MP does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
 [ $((WORLD % (MP * PP))) = 0 ] || die "MP x PP = $((MP * PP)) does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
+ZERO="${ZERO:-none}"
+case "$ZERO" in none | os | full) ;; *) die "ZERO=$ZERO: choose none, os or full" ;; esac
+if [ "$ZERO" = full ]; then
+  [ "$PP" = 1 ] || die "ZERO=full with PP=$PP: fully sharded layers do not follow the pipeline schedule; use ZERO=os (or PP=1)"
+  [ $((WORLD / (MP * PP))) -ge 2 ] \
+    || die "ZERO=full shards over data-parallel ranks and this run has one: NPROC_PER_NODE (or NNODES) above MP=$MP, or ZERO=none"
+fi
+ZERO_ARGS=()  # training only
+[ "$ZERO" = none ] || ZERO_ARGS=(--zero-sharding "$ZERO")
 
 # Device: DEVICE=cpu|cuda; default cuda when torch sees a GPU (always cpu at SCALE=tiny).
 if [ -z "${DEVICE:-}" ]; then
@@ -70,13 +82,17 @@ if [ -z "${DEVICE:-}" ]; then
   else DEVICE=cpu
   fi
 fi
-PRECISION="${PRECISION:-fp16}"  # on cuda: fp16, bf16 or fp32
+PRECISION="${PRECISION:-$([ "$ZERO" = full ] && echo bf16 || echo fp16)}"  # on cuda: fp16, bf16 or fp32
+[ "$ZERO" != full ] || [ "$PRECISION" != fp16 ] \
+  || die "ZERO=full keeps fp32 shards and computes in bf16: PRECISION=bf16 (or fp32), or ZERO=os for fp16"
 case "$DEVICE" in
   cpu) DEVICE_ARGS=(--cpu --distributed-backend gloo) ;;
   cuda) DEVICE_ARGS=(); [ "$PRECISION" = fp32 ] || DEVICE_ARGS=(--"$PRECISION") ;;
   *) die "DEVICE=$DEVICE: choose cpu or cuda" ;;
 esac
-[ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP" --ddp-backend legacy_ddp)
+DDP_ARGS=(--ddp-backend legacy_ddp)
+[ "$ZERO" != full ] || DDP_ARGS=()  # FSDP2 takes DDP's place
+[ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP" "${DDP_ARGS[@]}")
 PIPELINE_ARGS=()  # training only (evaluation runs one stage)
 [ "$PP" -le 1 ] || PIPELINE_ARGS=(--pipeline-model-parallel-size "$PP" --ddp-backend legacy_ddp)
 
@@ -116,7 +132,7 @@ ts_train() {
   # shellcheck disable=SC2086  # EXTRA_ARGS is split into words on purpose
   ts_launch fairseq-train "$@" --save-dir "$save" --log-format json --log-interval "$LOG_INTERVAL" \
     --no-epoch-checkpoints --required-batch-size-multiple 1 "${DEVICE_ARGS[@]}" "${PIPELINE_ARGS[@]}" \
-    ${EXTRA_ARGS:-} 2>&1 \
+    "${ZERO_ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 \
     | tee -a "$save/train.log"
   ts_checkpoint_files "$save" checkpoint_last >/dev/null \
     || die "training wrote no checkpoint in $save; see $save/train.log"
@@ -224,6 +240,7 @@ ts_lm_setup() {
 # ts_nmt_setup: the NMT recipe (TorchScale paper Tables 3-4) into MODEL_ARGS / TRAIN_ARGS.
 ts_nmt_setup() {
   [ "$PP" = 1 ] || die "PP=$PP: pipeline parallelism runs the LM recipes (ts_lm) only; use PP=1 (MP for tensor parallelism)"
+  [ "$ZERO" != full ] || die "ZERO=full runs the LM recipes (ts_lm) only; use ZERO=os for NMT"
   ts_default DATA data-bin/kjv_sparv_spm data-bin/kjv_sparv_spm_tiny
   ts_default SRC_LANG en en
   ts_default TGT_LANG es es
@@ -262,6 +279,7 @@ ts_nmt_setup() {
 
 # ts_moe_setup: X-MoE flags (EXPERTS, MOE_FREQ, TOP_K, BALANCE) and CLIP=sparse|vanilla into MOE_ARGS/OPT_ARGS.
 ts_moe_setup() {
+  [ "$ZERO" != full ] || die "ZERO=full with experts: each data-parallel rank holds its own; use ZERO=os"
   ts_default EXPERTS 16 4
   ts_default MOE_FREQ 2 2
   ts_default TOP_K 2 2

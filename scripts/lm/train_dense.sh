@@ -7,8 +7,10 @@
 # SCALE=tiny: a 2-layer d=64 model, 30 updates on CPU (DATA defaults to data-bin/enwiki_gpt2_tiny, from
 #   python -m data_prep.prepare_lm --max-docs 30 --out-dir data-bin/enwiki_gpt2_tiny).
 # Other knobs: DATA SAVE_DIR LR WARMUP MAX_UPDATE TOTAL_BATCH BATCH_SIZE CLIP_NORM EXTRA_ARGS,
-# NNODES NPROC_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT SLURM MP PP DEVICE (see scripts/common.sh).
+# NNODES NPROC_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT SLURM MP PP DEVICE PRECISION ZERO (see scripts/common.sh).
 #   e.g.  LAYERS=48 BACKBONE=deepnorm NPROC_PER_NODE=8 bash scripts/lm/train_dense.sh
+#   sharded (FSDP2, bf16 compute over fp32 shards; TP 2 x FSDP 4 with sequence parallelism):
+#         LAYERS=48 ZERO=full MP=2 NPROC_PER_NODE=8 EXTRA_ARGS=--sequence-parallel bash scripts/lm/train_dense.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 ts_lm_setup
 ts_default CLIP_NORM 0.0 0.0

@@ -30,6 +30,7 @@ TRAININGS = {
     "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "sparse", "MP": "2"}),
     "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
     "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
+    "lm_dense_full": ("lm/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "2"}),
 }
 
 
@@ -73,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return saves
 
 
-@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2"])
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2", "lm_dense_full"])
 def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
     parts = {"lm_moe_mp2": ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"],
@@ -85,6 +86,8 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
     assert log.records["valid"][-1]["valid_num_updates"] == "3"
     if name.startswith("lm_moe"):
         assert "moe_entropy" in log.records["train_inner"][-1]
+    if name == "lm_dense_full":  # FSDP2 over 2 ranks; its checkpoint evaluates as any other
+        assert "'zero_sharding': 'full'" in (save / "train.log").read_text()
     fields = dict(line.split(" ", 1) for line in (save / "eval_test.txt").read_text().splitlines())
     ppl, loss2 = float(fields["perplexity"]), float(fields["loss_base2"])
     assert fields["subset"] == "test" and ppl > 1
@@ -178,9 +181,18 @@ def test_plot_tool_rejects_a_log_without_json_records(tmp_path: Path) -> None:
 
 
 def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
+    for name in ("dict.txt", "train.bin", "valid.bin"):  # past ts_need_data, for the MoE check
+        (tmp_path / name).touch()
     for script, extra, message in (
+        ("lm/train_dense.sh", {"ZERO": "zero3"}, "ZERO=zero3: choose none, os or full"),
+        ("lm/train_dense.sh", {"ZERO": "full"}, "ZERO=full shards over data-parallel ranks and this run has one"),
+        ("lm/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "4", "PP": "2"}, "ZERO=full with PP=2"),
+        ("lm/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "2", "PRECISION": "fp16"},
+         "ZERO=full keeps fp32 shards and computes in bf16"),
+        ("lm/train_moe.sh", {"ZERO": "full", "NPROC_PER_NODE": "2", "DATA": str(tmp_path)}, "ZERO=full with experts"),
+        ("nmt/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "2"}, "ZERO=full runs the LM recipes (ts_lm) only"),
         ("lm/train_dense.sh", {"SCALE": "huge"}, "SCALE=huge: choose full or tiny"),
-        ("lm/train_dense.sh", {"DATA": str(tmp_path)}, f"{tmp_path}/dict.txt not found"),
+        ("lm/train_dense.sh", {"DATA": str(tmp_path / "none")}, f"{tmp_path}/none/dict.txt not found"),
         ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
         ("lm/train_dense.sh", {"NPROC_PER_NODE": "2", "PP": "4"}, "MP x PP = 4 does not divide the 2 processes"),
         ("nmt/train_dense.sh", {"PP": "2"}, "PP=2: pipeline parallelism runs the LM recipes (ts_lm) only"),

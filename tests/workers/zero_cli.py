@@ -1,6 +1,6 @@
 """``python zero_cli.py STALL ARGS...``: ``fairseq-train ARGS`` for the ``--zero-sharding``
-tests. After every update it prints the elements of this rank's optimizer state (tensors
-of rank >= 1: Adam's ``exp_avg`` and ``exp_avg_sq``), split into dense and expert
+tests. After every update it prints the elements this rank holds of its optimizer state (tensors
+of rank >= 1: Adam's ``exp_avg`` and ``exp_avg_sq``; a DTensor's local shard), split into dense and expert
 parameters, as ``optimizer-state {...}``; logged meters are not rounded (as
 ``tests/workers/unrounded_cli.py``), so losses compare to the last bit; with
 ``STALL > 0`` it stops making progress after update ``STALL`` (as
@@ -13,6 +13,7 @@ import time
 import torch
 from fairseq.logging import meters
 from fairseq_cli.train import cli_main
+from torch.distributed.tensor import DTensor
 
 import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
 from torchscale_fairseq.integration.trainer import TsTrainer
@@ -29,7 +30,8 @@ def train_step(self, samples, raise_oom=False):
     numel = {"dense": 0, "expert": 0}
     for param, state in self.optimizer.optimizer.state.items():
         kind = "expert" if is_expert(param) else "dense"
-        numel[kind] += sum(v.numel() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        numel[kind] += sum((v.to_local() if isinstance(v, DTensor) else v).numel() for v in state.values()
+                           if torch.is_tensor(v) and v.dim() > 0)
     print("optimizer-state " + json.dumps({"rank": self.data_parallel_rank, "updates": self.get_num_updates(),
                                            "largest": max(p.numel() for p in self.model.parameters()), **numel}),
           flush=True)

@@ -16,6 +16,8 @@ layers per global stage; even by default), the last stage getting a copy of a ti
 Per-parameter optimizer moments (Adam's ``exp_avg``/``exp_avg_sq``, ...) follow their
 parameters; an optimizer state that is not per-parameter (fp16's flat master copy) is dropped,
 and training continues with ``--reset-optimizer``. The per-rank RNG streams are reseeded.
+Checkpoints of ``--zero-sharding full``, ``os`` and none are one format (full tensors, the
+unsharded optimizer state): a run resumes under any of the three from any, with nothing to convert.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ actually changes.
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from types import ModuleType
 
 from fairseq import checkpoint_utils
+from fairseq.dataclass.constants import ZERO_SHARDING_CHOICES
 from fairseq.distributed import utils as distributed_utils
 
 from torchscale_fairseq.compat import apply_fairseq_fixes
@@ -55,6 +57,13 @@ REPLACED: list[tuple[str, str, str]] = [
      "fairseq-eval-lm at --model-parallel-size > 1 (only while that tool runs)"),
 ]
 
+# choices the plugin adds to fairseq's options (members added to fairseq's own enum, which the
+# argument parser and the config both read): (option, choice, why)
+ADDED_CHOICES: list[tuple[str, str, str]] = [
+    ("--zero-sharding", "full",
+     "parameters, gradients and optimizer state sharded by FSDP2 (torchscale_fairseq.optim.fully_sharded)"),
+]
+
 _EVAL_TOOLS = ("fairseq_cli.generate", "fairseq_cli.eval_lm")
 _CONSOLE_TOOLS = ("fairseq_cli.train", "fairseq_cli.generate", "fairseq_cli.eval_lm",
                   "fairseq_cli.interactive", "fairseq_cli.validate", "fairseq_cli.preprocess",
@@ -83,6 +92,17 @@ def _tool_modules(name: str) -> list[ModuleType]:
     return found
 
 
+def _add_choice(choices: type[Enum], value: str) -> None:
+    """Add ``value`` to a fairseq ``ChoiceEnum`` (a ``StrEnum``) in place."""
+    if value in choices._value2member_map_:
+        return
+    member = str.__new__(choices, value) if issubclass(choices, str) else object.__new__(choices)
+    member._name_, member._value_, member.__objclass__ = value, value, choices
+    choices._member_map_[value] = member
+    choices._value2member_map_[value] = member
+    choices._member_names_.append(value)
+
+
 def install() -> None:
     """Apply the upstream fixes and install the plugin's features into fairseq."""
     import fairseq_cli.train
@@ -98,5 +118,6 @@ def install() -> None:
         for module in _tool_modules(name):
             module.main = eval_tools.wrap_main(module.main)
     vocab_parallel.install()
+    _add_choice(ZERO_SHARDING_CHOICES, "full")  # ADDED_CHOICES
     if _running_tool() is not None:
         install_excepthook()

@@ -30,6 +30,9 @@
   a skipped update moves none;
 - ``--zero-sharding os`` shards the optimizer state over the data-parallel group
   (:mod:`torchscale_fairseq.optim.zero`, ZeRO stage 1, no fairscale); experts stay local;
+  ``--zero-sharding full`` shards parameters, gradients and optimizer state with FSDP2's
+  ``fully_shard`` in place of DDP (:mod:`torchscale_fairseq.optim.fully_sharded`, ZeRO stage 3),
+  and its checkpoints hold the full state, gathered when saving;
 - the MoE layers' auxiliary losses are differentiated with their outputs, scaled per micro-batch
   before its forward, and ``--pipeline-model-parallel-size`` runs each update's micro-batches
   through the stages in the schedule's order (:class:`~.pipeline_step.ScheduledTrainer`, the base
@@ -87,6 +90,16 @@ from torchscale_fairseq.models.config import MAX_SKIPPED_UPDATES
 from torchscale_fairseq.modules.moe.grad_sync import keep_experts_out_of_ddp, sync_experts_after
 from torchscale_fairseq.modules.moe.layer import discard_expert_loads, update_expert_biases
 from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
+from torchscale_fairseq.optim.fully_sharded import (
+    FULL,
+    check_fully_sharded,
+    data_parallel_mesh,
+    full_model_state,
+    full_optimizer_state,
+    mixed_precision,
+    shard_loaded_optimizer_state,
+    shard_model,
+)
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
 from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
@@ -94,6 +107,20 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 logger = logging.getLogger(__name__)
 
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
+
+
+@contextlib.contextmanager
+def _config_value(cfg: Any, group: str, name: str, value: Any) -> Iterator[None]:
+    """``cfg.group.name`` is ``value`` for the duration."""
+    section = getattr(cfg, group)
+    original = getattr(section, name)
+    with open_dict(cfg):
+        setattr(section, name, value)
+    try:
+        yield
+    finally:
+        with open_dict(cfg):
+            setattr(section, name, original)
 
 
 @contextlib.contextmanager
@@ -159,12 +186,19 @@ class TsTrainer(ScheduledTrainer):
             )
         check_foreign_flags(cfg.optimizer)
         check_zero_sharding(cfg, self.data_parallel_world_size)
+        self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
+        check_fully_sharded(cfg, self.parallel.data_size, self.parallel.pipeline_size,
+                            any(is_expert(p) for p in model.parameters()))
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         check_fused_loss_run(model, criterion, cfg)
         if self.parallel.pipeline_size > 1:
             check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
-        super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
+        # --zero-sharding full --bf16: fp32 shards, bf16 compute (MixedPrecisionPolicy), so fairseq
+        # neither casts the model nor builds its fp32 master
+        with _config_value(cfg, "common", "bf16", cfg.common.bf16 and not self.fully_sharded):
+            super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
+        self._gathered_model_state = None  # --zero-sharding full: consolidate_optimizer's gathered model
         self.skipped_in_a_row = 0
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
 
@@ -211,6 +245,11 @@ class TsTrainer(ScheduledTrainer):
 
     @property
     def model(self):
+        if self._wrapped_model is None and self.fully_sharded:  # FSDP2 in place of DDP
+            mesh = data_parallel_mesh(self.data_parallel_process_group, self.device)
+            self._model = self._model.to(self.device)
+            self._wrapped_model = shard_model(self._model, mesh, mixed_precision(self.cfg.common.bf16))
+            return self._wrapped_model
         if self._wrapped_model is None and self.use_distributed_wrapper and keep_experts_out_of_ddp(
                 self._model, self.cfg.distributed_training.ddp_backend):
             wrapped = super().model
@@ -228,19 +267,17 @@ class TsTrainer(ScheduledTrainer):
         masters got their parameters' attributes: experts stay local, unsharded. The optimizer's
         gradient norm runs over the trainer's parallel context."""
         sharding = self.cfg.distributed_training.zero_sharding
-        with open_dict(self.cfg):
-            self.cfg.distributed_training.zero_sharding = "none"
-        try:
-            with _building(optim, "FP16Optimizer", ForeachFP16Optimizer):
-                super()._build_optimizer()
-        finally:
-            with open_dict(self.cfg):
-                self.cfg.distributed_training.zero_sharding = sharding
+        with _config_value(self.cfg, "distributed_training", "zero_sharding", "none"), \
+                _config_value(self.cfg, "common", "bf16", self.cfg.common.bf16 and not self.fully_sharded), \
+                _building(optim, "FP16Optimizer", ForeachFP16Optimizer):
+            super()._build_optimizer()
         carry_parallel_attributes(self._optimizer)
         use_parallel_context(_inner_optimizer(self._optimizer), self.parallel)
         if sharding == "os":
             shard_optimizer_state(self._optimizer, self.data_parallel_process_group, is_expert,
                                   consolidate_to_all=self.is_expert_sharded)
+        if self.fully_sharded:  # checkpoints hold full moments: each rank keeps its shard
+            self._optimizer.optimizer.register_load_state_dict_post_hook(shard_loaded_optimizer_state)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         # fairseq calls this once per update, after the data-parallel all-reduce
@@ -366,6 +403,8 @@ class TsTrainer(ScheduledTrainer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
+        if self._gathered_model_state is not None:  # --zero-sharding full (else: a crash.pt of this rank's shards)
+            state["model"], self._gathered_model_state = self._gathered_model_state, None
         model = self.get_model()
         stack = getattr(model, "pipeline_stack", None)
         names = pipeline_names(model, stack) if stack is not None else None
@@ -398,8 +437,20 @@ class TsTrainer(ScheduledTrainer):
         every rank before it takes the iterator's state; a step's exception handler calls it
         too, on its rank alone, for a ``crash.pt`` without the iterator: no collective there."""
         super().consolidate_optimizer()
+        if self.fully_sharded and sys.exc_info()[1] is None:
+            self._gather_full_state()
         if isinstance(self._train_iterator, StreamEpochBatchIterator) and sys.exc_info()[1] is None:
             self._train_iterator.sync_positions()
+
+    def _gather_full_state(self) -> None:
+        """``--zero-sharding full``: the full model and optimizer state, gathered on every rank of
+        the data-parallel group (a collective), kept by the rank that saves for :meth:`state_dict`."""
+        model = full_model_state(self.model)
+        optimizer = None
+        if not self.cfg.checkpoint.no_save_optimizer_state:
+            optimizer = full_optimizer_state(self.optimizer.state_dict())
+        if self.should_save_checkpoint_on_current_rank:
+            self._gathered_model_state, self._gathered_optim_state = model, optimizer
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
                         reset_meters=False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from torchscale_fairseq.model_parallel.attributes import is_sequence_parallel
 from torchscale_fairseq.model_parallel.process_groups import group_size
@@ -14,10 +15,13 @@ def sum_sequence_parallel_grads(model: torch.nn.Module, tp_group: dist.ProcessGr
     """Sequence parallelism: a replicated parameter used on each rank's slice of the
     sequence (LayerNorms, row-parallel biases) gets the gradient of those positions only;
     its full gradient is the sum over the tensor-parallel group (one coalesced all-reduce;
-    Korthikanti et al. 2022, section 4.2.2)."""
+    Korthikanti et al. 2022, section 4.2.2). A gradient sharded over data parallelism (a
+    DTensor, ``--zero-sharding full``) sums its local shard: the ranks of a tensor-parallel
+    group hold the same rows."""
     if group_size(tp_group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None and is_sequence_parallel(p)]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None and is_sequence_parallel(p)]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)

@@ -11,6 +11,8 @@
 - under pipeline parallelism both parts are summed over the pipeline group (each stage holds
   other layers); the last stage's copy of the tied embedding is left out (its gradient equals
   the first stage's after the embedding all-reduce);
+- ``--zero-sharding full``: a gradient sharded over the data-parallel group (a DTensor) counts
+  its local shard, summed over the data-parallel group;
 - the expert part may be down-weighted by ``kappa`` (SparseClip: ``1/sqrt(E)``):
   ``||g|| = ||(g_d, kappa * g_s)||_2``.
 
@@ -33,6 +35,7 @@ from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import (
@@ -92,20 +95,27 @@ def squared_norm_parts(params: Iterable[torch.Tensor], parallel: ParallelContext
     experts over their all-to-all group, stages over the pipeline group)."""
     tp_group, pipeline_group = parallel.tensor_group, parallel.pipeline_group
     sharded, replicated = [], []
+    dp_sharded: tuple[list, list] = ([], [])  # (tensor-parallel shards, replicated) sharded over data parallelism
     experts: dict[tuple[int, bool], list] = {}
     for p in params:
         if p is None or p.grad is None or pipeline_tied_role(p) == "copy":
             continue
         if is_expert(p):
             experts.setdefault((expert_parallel_size(p), sharded_dim(p) is not None), []).append(p.grad)
+        elif isinstance(p.grad, DTensor):
+            dp_sharded[sharded_dim(p) is None].append(p.grad.to_local())
         elif sharded_dim(p) is not None:
             sharded.append(p.grad)
         else:
             replicated.append(p.grad)
-    dense_sharded = _sq(sharded)
+    dense_sharded, dense_replicated = _sq(sharded), _sq(replicated)
+    if dp_sharded[0] or dp_sharded[1]:
+        device = (dp_sharded[0] or dp_sharded[1])[0].device
+        local = _all_reduce(torch.stack([_sq(part).to(device) for part in dp_sharded]), parallel.data_group)
+        dense_sharded, dense_replicated = dense_sharded + local[0], dense_replicated + local[1]
     if group_size(tp_group) > 1:
         dense_sharded = _all_reduce(dense_sharded, tp_group)
-    dense = dense_sharded + _sq(replicated)
+    dense = dense_sharded + dense_replicated
     expert = torch.zeros((), dtype=torch.float32)
     for (size, split), grads in experts.items():
         part = _sq(grads)
@@ -149,12 +159,17 @@ def norm_and_clip_(
     return norm, total
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor gradient (a view: scaling it scales the DTensor)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:
     """``g <- xi / max(xi, ||g||) * g`` for every gradient; True when clipping fired."""
     if max_norm <= 0 or not torch.isfinite(total_norm) or total_norm <= max_norm:
         return False
     coef = max_norm / (float(total_norm) + 1e-6)
-    grads = [p.grad.detach() for p in params if p is not None and p.grad is not None]
+    grads = [_local(p.grad.detach()) for p in params if p is not None and p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef)
     return True
