@@ -111,8 +111,8 @@ class TransformerLayer(nn.Module):
         offset: int = 0,
         self_attn_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
-        """``self_attn_mask``: boolean ``(B, 1, T, T)``, True where a query may attend a key
-        (document masks, :mod:`~torchscale_fairseq.modules.document_mask`)."""
+        """``self_attn_mask``: the batch's additive ``(B, 1, T, T)`` self-attention mask, causality and
+        padding included (document masks, :mod:`~torchscale_fairseq.modules.document_mask`)."""
         if self.checkpoint_activations and self.training and incremental_state is None:
             memo = RecomputeMemo() if isinstance(self.ffn, MoELayer) else None
             return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
@@ -137,7 +137,7 @@ class TransformerLayer(nn.Module):
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
             h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
-            incremental_state=incremental_state, offset=offset, allowed=self_attn_mask,
+            incremental_state=incremental_state, offset=offset, attn_mask=self_attn_mask,
         ))
         if self.cross_attn is not None:
             x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(

@@ -43,6 +43,7 @@ from torchscale_fairseq.model_parallel.layers import (
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker
+from torchscale_fairseq.modules.document_mask import allowed_keys
 from torchscale_fairseq.modules.xpos import XPos
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
@@ -173,12 +174,13 @@ class MultiheadAttention(nn.Module):
         bias: Optional[torch.Tensor] = None,
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
-        allowed: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
-        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``allowed`` boolean
-        ``(B, 1, T, S)``, True where a query may attend a key, causality included
-        (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`); ``offset`` = position
+        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``attn_mask`` additive
+        ``(B, 1, T, S)`` in the compute dtype, shared by the stack's layers, causality and padding
+        included (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`; it
+        supersedes ``key_padding_mask``); ``offset`` = position
         of the first query (incremental decoding). Under sequence parallelism ``x`` is this
         rank's slice of the sequence: the query projection gathers it, the output projection
         scatters it back; keys/values of ``memory`` (full) are projected as usual."""
@@ -202,7 +204,7 @@ class MultiheadAttention(nn.Module):
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         b, t, s = q.size(0), q.size(2), k.size(2)
-        mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device, allowed)
+        mask = self._mask(t, s, key_padding_mask, causal, bias, q.device, attn_mask)
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel is not None and incremental_state is None:
@@ -242,21 +244,17 @@ class MultiheadAttention(nn.Module):
 
     @staticmethod
     def _mask(
-        b: int, t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool,
-        bias: Optional[torch.Tensor], device: torch.device, allowed: Optional[torch.Tensor] = None,
+        t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool, bias: Optional[torch.Tensor],
+        device: torch.device, attn_mask: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
-        """A boolean (True = attend) or additive float mask; None when plain or
-        ``is_causal`` attention suffices. ``allowed`` (document masks) already holds causality."""
-        if key_padding_mask is None and bias is None and allowed is None and t == s:
+        """A boolean (True = attend) or additive float mask; None when plain or ``is_causal``
+        attention suffices. ``attn_mask`` (the batch's document mask) already holds causality and
+        padding, so it is used as it is (plus ``bias``)."""
+        if attn_mask is not None:
+            return attn_mask if bias is None else bias + attn_mask
+        if key_padding_mask is None and bias is None and t == s:
             return None  # plain causal (or full) attention: SDPA's is_causal path
-        if allowed is None and causal and t > 1:
-            allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
-        if key_padding_mask is not None:
-            allowed = ~key_padding_mask[:, None, None, :] if allowed is None else allowed & ~key_padding_mask[:, None, None, :]
-            if causal:
-                # each query keeps itself, so a left-padded query row is never fully masked
-                itself = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t).triu(s - t)
-                allowed = allowed | itself[None, None]
+        allowed = allowed_keys(t, s, causal, device, key_padding_mask)
         if bias is None:
             return allowed
         if allowed is None:
