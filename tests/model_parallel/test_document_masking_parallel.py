@@ -4,7 +4,9 @@ the same flags and ``--update-freq``:
 
 - TP = 2 with ``--sequence-parallel``: attention runs on the gathered sequence, so the batch's document
   mask applies as it is; 31-token blocks, so the sequence-parallel padding pads the document ids too;
-- PP = 2 (1F1B): every stage reads the micro-batch's ``net_input`` and builds the mask itself.
+- PP = 2 (1F1B): every stage reads the micro-batch's ``net_input`` and builds the mask itself;
+- C = 2 (``--context-parallel-size``, 32-token blocks against one process on the same blocks), with
+  ``--checkpoint-activations selective``: the ring masks each block by the whole sequence's documents.
 
 Every update's loss and ``gnorm`` and every validation loss equal one process (1e-5 relative).
 """
@@ -24,7 +26,10 @@ RUNS = {  # name: (world, flags)
     "one": (1, ()),
     "tp2_sp": (2, ("--model-parallel-size", "2", "--sequence-parallel")),
     "pp2": (2, ("--pipeline-model-parallel-size", "2")),
+    "one_32": (1, ("--tokens-per-sample", "32")),
+    "cp2": (2, ("--tokens-per-sample", "32", "--context-parallel-size", "2", "--checkpoint-activations", "selective")),
 }
+REFERENCE = {"tp2_sp": "one", "pp2": "one", "cp2": "one_32"}
 
 
 def lm_args(data: Path, *extra: str) -> list[str]:
@@ -51,14 +56,14 @@ def valid_losses(log: Path) -> list[float]:
             for line in log.read_text().splitlines() if "valid_loss" in line and "{" in line]
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "pp2"])
+@pytest.mark.parametrize("name", list(REFERENCE))
 def test_document_masked_training_equals_one_process(logs, name: str) -> None:
-    one, other = train_records(logs["one"]), train_records(logs[name])
+    one, other = train_records(logs[REFERENCE[name]]), train_records(logs[name])
     assert len(one) == len(other) == UPDATES, (len(one), len(other))
     for step, (a, b) in enumerate(zip(one, other), start=1):
         for key in ("loss", "gnorm"):
             assert relative_close(float(a[key]), float(b[key]), REL), f"update {step} {key}: {a[key]} vs {b[key]}"
-    reference, got = valid_losses(logs["one"]), valid_losses(logs[name])
+    reference, got = valid_losses(logs[REFERENCE[name]]), valid_losses(logs[name])
     assert len(reference) == len(got) >= 2
     for x, y in zip(reference, got):
         assert relative_close(x, y, REL), (reference, got)

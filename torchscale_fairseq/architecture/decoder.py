@@ -123,11 +123,14 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
         length = prev_output_tokens.size(1)
         split = is_split(self.cfg, self.training)
-        context, context_index = self.cfg.context_parallel, None
-        if context is not None and incremental_state is None:  # --document-masking is refused under CP
+        context, context_index, ring_documents = self.cfg.context_parallel, None, None
+        if context is not None and incremental_state is None:
             whole = pad_to_multiple(prev_output_tokens, self.cfg.sequence_multiple, self.padding_idx)
             context_index = context_parallel_indices(whole.size(1), context.size, context.rank, whole.device)
-            x = self.embed(whole, context_index=context_index)
+            if document_ids is not None:  # the ring masks its blocks by document: no (T, T) mask
+                ring_documents = pad_to_multiple(document_ids, self.cfg.sequence_multiple, -1)
+                document_ids = None
+            x = self.embed(whole, context_index=context_index, document_ids=ring_documents)
             prev_output_tokens = whole[:, context_index]
             length = prev_output_tokens.size(1)
         else:
@@ -175,7 +178,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
-                self_attn_mask=attn_mask,
+                self_attn_mask=attn_mask, ring_document_ids=ring_documents,
             )
             if aux is not None:
                 moe.append(aux)

@@ -175,12 +175,14 @@ class MultiheadAttention(nn.Module):
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
         attn_mask: Optional[torch.Tensor] = None,
+        ring_document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
         ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``attn_mask`` additive
         ``(B, 1, T, S)`` in the compute dtype, shared by the stack's layers, causality and padding
         included (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`; it
-        supersedes ``key_padding_mask``); ``offset`` = position
+        supersedes ``key_padding_mask``); ``ring_document_ids`` ``(B, T_whole)``: under context
+        parallelism, the whole sequence's documents (the ring masks its blocks); ``offset`` = position
         of the first query (incremental decoding). Under sequence parallelism ``x`` is this
         rank's slice of the sequence: the query projection gathers it, the output projection
         scatters it back; keys/values of ``memory`` (full) are projected as usual."""
@@ -208,7 +210,7 @@ class MultiheadAttention(nn.Module):
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel is not None and incremental_state is None:
-            out = self._ring_core(q, k, v, mask, causal)
+            out = self._ring_core(q, k, v, mask, causal, ring_document_ids)
         elif self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
             out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
         else:
@@ -230,8 +232,9 @@ class MultiheadAttention(nn.Module):
         return f"{choice} (SDPA's choice; force one with --ts-attention-backend)"
 
     def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   causal: bool) -> torch.Tensor:
-        """Causal self-attention of this rank's chunks over the context-parallel group (module docstring)."""
+                   causal: bool, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Causal self-attention of this rank's chunks over the context-parallel group, within the
+        whole sequence's ``document_ids`` if given (module docstring)."""
         if not causal or mask is not None:
             raise TsConfigError(
                 "context parallelism splits causal self-attention without masks or biases only: use "
@@ -239,8 +242,8 @@ class MultiheadAttention(nn.Module):
             )
         cp = self.context_parallel
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            return checkpoint(ring_attention, q, k, v, cp.group, cp.ranks, use_reentrant=False)
-        return ring_attention(q, k, v, cp.group, cp.ranks)
+            return checkpoint(ring_attention, q, k, v, cp.group, cp.ranks, document_ids, use_reentrant=False)
+        return ring_attention(q, k, v, cp.group, cp.ranks, document_ids)
 
     @staticmethod
     def _mask(
