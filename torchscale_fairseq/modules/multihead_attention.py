@@ -18,7 +18,8 @@ so attention dropout draws the same mask twice and the gradients are those witho
 Under context parallelism (``context_parallel``, training and evaluation without a decoding cache)
 the queries, keys and values are this rank's chunks of the sequence and causal self-attention
 runs as :func:`~torchscale_fairseq.model_parallel.context_parallel.ring_attention` over the
-context-parallel group (recomputed whole under selective recomputation).
+context-parallel group (recomputed whole under selective recomputation), within documents given
+the whole sequence's document ids (``--document-masking``).
 """
 
 from __future__ import annotations
