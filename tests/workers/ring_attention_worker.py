@@ -5,8 +5,9 @@
 ``(B, h, T, d)`` queries, keys, values and output gradient, runs
 :func:`~torchscale_fairseq.model_parallel.context_parallel.ring_attention` on its chunks ``r`` and
 ``2C-1-r`` and compares the output and the three input gradients with those of the plain causal
-attention on the whole sequence (``gathered_causal_attention``), in float64 and float32; rank 0
-writes the largest errors and the elements each rank sent forward and backward as JSON to ``OUT``.
+attention on the whole sequence (``gathered_causal_attention``), in float64 and float32, and in
+float64 with document masks (documents as short as one token, so that whole query rows of a ring
+block have no key left); rank 0 writes the largest errors and the elements each rank sent forward and backward as JSON to ``OUT``.
 """
 
 from __future__ import annotations
@@ -29,17 +30,25 @@ B, HEADS, CHUNK, HEAD_DIM = 2, 3, 3, 8
 SIZES = (2, 3, 4)
 
 
-def check(size: int, rank: int, group, dtype: torch.dtype) -> dict:
+def document_ids(length: int, g: torch.Generator) -> torch.Tensor:
+    """``(B, length)`` non-decreasing document numbers, a new document at each position with probability 0.4."""
+    starts = torch.rand(B, length, generator=g) < 0.4
+    starts[:, 0] = False
+    return starts.long().cumsum(1)
+
+
+def check(size: int, rank: int, group, dtype: torch.dtype, documents: bool = False) -> dict:
     length = 2 * size * CHUNK
     g = torch.Generator().manual_seed(100 + size)
     q, k, v, dout = (torch.randn(B, HEADS, length, HEAD_DIM, generator=g, dtype=dtype) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    reference = gathered_causal_attention(q, k, v)
+    ids = document_ids(length, g) if documents else None
+    reference = gathered_causal_attention(q, k, v, ids)
     reference.backward(dout)
     idx = context_parallel_indices(length, size, rank)
     local = [t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
     with record_collectives(point_to_point=True) as log:
-        out = ring_attention(*local, group, list(range(size)))
+        out = ring_attention(*local, group, list(range(size)), ids)
         out.backward(dout[:, :, idx])
     errors = {"out": (out - reference.detach()[:, :, idx]).abs().max().item()}
     for name, mine, full in zip("qkv", local, (q, k, v)):
@@ -59,6 +68,7 @@ def main() -> None:
         if rank < size:
             mine[size] = {str(dtype).split(".")[-1]: check(size, rank, groups[size], dtype)
                           for dtype in (torch.float64, torch.float32)}
+            mine[size]["float64_documents"] = check(size, rank, groups[size], torch.float64, documents=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

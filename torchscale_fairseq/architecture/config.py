@@ -168,7 +168,6 @@ def check_context_parallel(args: Any, part: str, parallel: ParallelContext) -> N
         (getattr(args, "rel_pos_buckets", 0) > 0,
          "does not compose with --rel-pos-buckets yet (the bias of every ring block would be needed)"),
         (getattr(args, "attention_dropout", 0.0) > 0, "runs its ring attention without dropout (--attention-dropout > 0)"),
-        (getattr(args, "document_masking", False), "does not compose with --document-masking yet (the ring has no masks)"),
     ]
     for failed, reason in refused:
         if failed:

@@ -20,7 +20,7 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, register_tied_output
-from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens
+from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_document_ids, pad_tokens
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel, mark_vocab_padded
 from torchscale_fairseq.model_parallel.context_parallel import context_parallel_indices, pad_to_multiple
@@ -31,7 +31,7 @@ from torchscale_fairseq.model_parallel.mappings import (
     gather_from_tensor_parallel_region,
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
-from torchscale_fairseq.modules.document_mask import document_attention_mask
+from torchscale_fairseq.modules.document_mask import compute_dtype, document_attention_mask
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -123,21 +123,24 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
         length = prev_output_tokens.size(1)
         split = is_split(self.cfg, self.training)
-        context, context_index = self.cfg.context_parallel, None
-        if context is not None and incremental_state is None:  # --document-masking is refused under CP
+        context, context_index, ring_documents = self.cfg.context_parallel, None, None
+        if context is not None and incremental_state is None:
             whole = pad_to_multiple(prev_output_tokens, self.cfg.sequence_multiple, self.padding_idx)
             context_index = context_parallel_indices(whole.size(1), context.size, context.rank, whole.device)
-            x = self.embed(whole, context_index=context_index)
+            if document_ids is not None:  # the ring masks its blocks by document: no (T, T) mask
+                ring_documents = pad_to_multiple(document_ids, self.cfg.sequence_multiple, -1)
+                document_ids = None
+            x = self.embed(whole, context_index=context_index, document_ids=ring_documents)
             prev_output_tokens = whole[:, context_index]
             length = prev_output_tokens.size(1)
         else:
             if split:
                 prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
+                document_ids = pad_document_ids(document_ids, self.cfg) if document_ids is not None else None
             if incremental:
                 document_ids = None
             x = (self.embed(prev_output_tokens, last_only=incremental, document_ids=document_ids)
                  if self.split.is_first(chunk) else pipeline_input)
-        allowed = document_attention_mask(document_ids, causal=True) if document_ids is not None else None
         if incremental_state is not None:
             incremental_state[_STEP_KEY] = {"step": None}
         padding_mask = None
@@ -153,9 +156,11 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
                         "before a real token (left padding): right-pad the batch or use --context-parallel-size 1"
                     )
                 padding_mask = pads
+        attn_mask = (document_attention_mask(document_ids, True, compute_dtype(x), padding_mask)
+                     if document_ids is not None else None)
         if self.cfg.compile_layers and not incremental:  # one graph for every batch size
             torch._dynamo.maybe_mark_dynamic(x, 0)
-            for mask in (padding_mask, allowed):
+            for mask in (padding_mask, attn_mask):
                 if mask is not None:
                     torch._dynamo.maybe_mark_dynamic(mask, 0)
         t = 1 if incremental else prev_output_tokens.size(1)
@@ -173,7 +178,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,
                 memory_padding_mask=memory_mask, incremental_state=incremental_state, offset=offset,
-                self_attn_mask=allowed,
+                self_attn_mask=attn_mask, ring_document_ids=ring_documents,
             )
             if aux is not None:
                 moe.append(aux)

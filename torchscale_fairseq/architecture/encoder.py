@@ -18,9 +18,15 @@ from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage
-from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_tokens, sequence_slice
+from torchscale_fairseq.architecture.sequence_parallel import (
+    gather_sequence,
+    is_split,
+    pad_document_ids,
+    pad_tokens,
+    sequence_slice,
+)
 from torchscale_fairseq.model_parallel.attributes import mark_sequence_parallel
-from torchscale_fairseq.modules.document_mask import document_attention_mask
+from torchscale_fairseq.modules.document_mask import compute_dtype, document_attention_mask
 from torchscale_fairseq.modules.moe.factory import build_ffn
 from torchscale_fairseq.modules.relative_position_bias import RelativePositionBias
 
@@ -61,6 +67,8 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         length = src_tokens.size(1)
         split = is_split(self.cfg, self.training)
         tokens = pad_tokens(src_tokens, self.cfg, self.padding_idx) if split else src_tokens
+        if split and document_ids is not None:
+            document_ids = pad_document_ids(document_ids, self.cfg)
         padding_mask = tokens.eq(self.padding_idx)
         has_pad = bool(padding_mask.any())
         if self.split.is_first(chunk):
@@ -71,13 +79,14 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
             x = pipeline_input
         bias = self.rel_pos(tokens.size(1), tokens.size(1)) if self.rel_pos is not None else None
         mask = padding_mask if has_pad else None
-        allowed = document_attention_mask(document_ids, causal=False) if document_ids is not None else None
+        attn_mask = (document_attention_mask(document_ids, False, compute_dtype(x), mask)
+                     if document_ids is not None else None)
         states = [x] if return_all_hiddens else []
         moe = []
         layers = self.chunk_layers(chunk)
         self.log_attention_kernel(layers, x, causal=False)
         for layer in layers:
-            x, aux = layer(x, padding_mask=mask, self_attn_bias=bias, self_attn_mask=allowed)
+            x, aux = layer(x, padding_mask=mask, self_attn_bias=bias, self_attn_mask=attn_mask)
             if aux is not None:
                 moe.append(aux)
             if return_all_hiddens:

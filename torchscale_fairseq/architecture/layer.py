@@ -110,17 +110,20 @@ class TransformerLayer(nn.Module):
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
         self_attn_mask: Optional[torch.Tensor] = None,
+        ring_document_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
-        """``self_attn_mask``: boolean ``(B, 1, T, T)``, True where a query may attend a key
-        (document masks, :mod:`~torchscale_fairseq.modules.document_mask`)."""
+        """``self_attn_mask``: the batch's additive ``(B, 1, T, T)`` self-attention mask, causality and
+        padding included (document masks, :mod:`~torchscale_fairseq.modules.document_mask`);
+        ``ring_document_ids``: under context parallelism the whole sequence's document ids instead."""
         if self.checkpoint_activations and self.training and incremental_state is None:
             memo = RecomputeMemo() if isinstance(self.ffn, MoELayer) else None
             return checkpoint(self._forward, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                              None, 0, memo, self_attn_mask, use_reentrant=False, context_fn=checkpoint_context)
+                              None, 0, memo, self_attn_mask, ring_document_ids, use_reentrant=False,
+                              context_fn=checkpoint_context)
         # decoding runs eager: its KV-cache dict changes every step (a recompile per step and layer)
         fn = _compiled_forward() if self.compiled and incremental_state is None else TransformerLayer._forward
         return fn(self, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                  incremental_state, offset, None, self_attn_mask)
+                  incremental_state, offset, None, self_attn_mask, ring_document_ids)
 
     def _forward(
         self,
@@ -134,10 +137,12 @@ class TransformerLayer(nn.Module):
         offset: int = 0,
         moe_memo: Optional[RecomputeMemo] = None,
         self_attn_mask: Optional[torch.Tensor] = None,
+        ring_document_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MoEAux]]:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(
             h, key_padding_mask=padding_mask, causal=causal, bias=self_attn_bias,
-            incremental_state=incremental_state, offset=offset, allowed=self_attn_mask,
+            incremental_state=incremental_state, offset=offset, attn_mask=self_attn_mask,
+            ring_document_ids=ring_document_ids,
         ))
         if self.cross_attn is not None:
             x = self._sublayer(x, self.cross_attn_layer_norm, lambda h: self.cross_attn(

@@ -1,7 +1,7 @@
 """Where a stack enters and leaves the sequence-parallel region (Korthikanti et al. 2022,
 section 4.2.2), in training with ``--sequence-parallel``: the token ids are padded to a
 multiple of the tensor-parallel size ``t`` (padding tokens, so every attention and loss
-mask already ignores them), the embedding output is split along the sequence, each rank
+mask already ignores them; document ids likewise), the embedding output is split along the sequence, each rank
 runs LayerNorms, dropout and residuals on its ``T / t`` positions, and the final
 features are gathered and cut back to ``T`` before the output layer or the cross-attention
 that reads them. An MoE layer gathers the whole sequence at its entry and keeps its
@@ -32,6 +32,13 @@ def pad_tokens(tokens: torch.Tensor, cfg: StackConfig, pad: int) -> torch.Tensor
     """``tokens`` (B, T) right-padded with ``pad`` to a multiple of the tensor-parallel size."""
     extra = -tokens.size(1) % group_size(cfg.tp_group)
     return F.pad(tokens, (0, extra), value=pad) if extra else tokens
+
+
+def pad_document_ids(document_ids: torch.Tensor, cfg: StackConfig) -> torch.Tensor:
+    """``document_ids`` (B, T) padded as :func:`pad_tokens` pads the tokens: the padding joins each row's
+    last document (under causal attention no real token sees it; bidirectional, the padding mask hides it)."""
+    extra = -document_ids.size(1) % group_size(cfg.tp_group)
+    return torch.cat([document_ids, document_ids[:, -1:].expand(-1, extra)], 1) if extra else document_ids
 
 
 def split_sequence(x: torch.Tensor, cfg: StackConfig) -> torch.Tensor:

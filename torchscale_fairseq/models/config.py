@@ -312,8 +312,8 @@ def check_positions(requested: int, maximum: int, requested_flag: str, maximum_f
 
 
 def check_document_masking(args: Any, document_masking: bool) -> None:
-    """One-line errors for ``--document-masking`` (the task's: its blocks carry ``document_ids``)
-    and ``--reset-positions-at-documents`` (the model's) where they cannot work."""
+    """One-line errors for ``--reset-positions-at-documents`` (the model's) where it cannot work;
+    ``document_masking``: the task's blocks carry ``document_ids`` (``--document-masking``)."""
     if getattr(args, "reset_positions_at_documents", False):
         if not document_masking:
             raise TsConfigError(
@@ -325,12 +325,3 @@ def check_document_masking(args: Any, document_masking: bool) -> None:
                 "--reset-positions-at-documents restarts absolute positions, and this model has none (xPos and the "
                 "relative bias depend only on i - j, already within a document under --document-masking): drop the flag"
             )
-    if not document_masking:
-        return
-    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        raise TsConfigError(
-            "--document-masking does not run under --pipeline-model-parallel-size > 1 yet (the stages do not pass "
-            "document ids on): drop one of the two"
-        )
-    if getattr(args, "sequence_parallel", False):
-        raise TsConfigError("--document-masking does not run under --sequence-parallel yet: drop one of the two")

@@ -18,7 +18,8 @@ so attention dropout draws the same mask twice and the gradients are those witho
 Under context parallelism (``context_parallel``, training and evaluation without a decoding cache)
 the queries, keys and values are this rank's chunks of the sequence and causal self-attention
 runs as :func:`~torchscale_fairseq.model_parallel.context_parallel.ring_attention` over the
-context-parallel group (recomputed whole under selective recomputation).
+context-parallel group (recomputed whole under selective recomputation), within documents given
+the whole sequence's document ids (``--document-masking``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torchscale_fairseq.model_parallel.layers import (
 )
 from torchscale_fairseq.model_parallel.process_groups import group_size
 from torchscale_fairseq.model_parallel.random import checkpoint_context, get_rng_tracker
+from torchscale_fairseq.modules.document_mask import allowed_keys
 from torchscale_fairseq.modules.xpos import XPos
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
@@ -173,12 +175,15 @@ class MultiheadAttention(nn.Module):
         bias: Optional[torch.Tensor] = None,
         incremental_state: Optional[IncrementalState] = None,
         offset: int = 0,
-        allowed: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+        ring_document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x`` queries; ``memory`` keys/values for cross-attention; ``key_padding_mask``
-        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``allowed`` boolean
-        ``(B, 1, T, S)``, True where a query may attend a key, causality included
-        (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`); ``offset`` = position
+        ``(B, S)`` True at pads; ``bias`` additive ``(1|B, h, T, S)``; ``attn_mask`` additive
+        ``(B, 1, T, S)`` in the compute dtype, shared by the stack's layers, causality and padding
+        included (:func:`~torchscale_fairseq.modules.document_mask.document_attention_mask`; it
+        supersedes ``key_padding_mask``); ``ring_document_ids`` ``(B, T_whole)``: under context
+        parallelism, the whole sequence's documents (the ring masks its blocks); ``offset`` = position
         of the first query (incremental decoding). Under sequence parallelism ``x`` is this
         rank's slice of the sequence: the query projection gathers it, the output projection
         scatters it back; keys/values of ``memory`` (full) are projected as usual."""
@@ -202,11 +207,11 @@ class MultiheadAttention(nn.Module):
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         b, t, s = q.size(0), q.size(2), k.size(2)
-        mask = self._mask(b, t, s, key_padding_mask, causal, bias, q.device, allowed)
+        mask = self._mask(t, s, key_padding_mask, causal, bias, q.device, attn_mask)
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel is not None and incremental_state is None:
-            out = self._ring_core(q, k, v, mask, causal)
+            out = self._ring_core(q, k, v, mask, causal, ring_document_ids)
         elif self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
             out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)
         else:
@@ -228,8 +233,9 @@ class MultiheadAttention(nn.Module):
         return f"{choice} (SDPA's choice; force one with --ts-attention-backend)"
 
     def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   causal: bool) -> torch.Tensor:
-        """Causal self-attention of this rank's chunks over the context-parallel group (module docstring)."""
+                   causal: bool, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Causal self-attention of this rank's chunks over the context-parallel group, within the
+        whole sequence's ``document_ids`` if given (module docstring)."""
         if not causal or mask is not None:
             raise TsConfigError(
                 "context parallelism splits causal self-attention without masks or biases only: use "
@@ -237,26 +243,22 @@ class MultiheadAttention(nn.Module):
             )
         cp = self.context_parallel
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            return checkpoint(ring_attention, q, k, v, cp.group, cp.ranks, use_reentrant=False)
-        return ring_attention(q, k, v, cp.group, cp.ranks)
+            return checkpoint(ring_attention, q, k, v, cp.group, cp.ranks, document_ids, use_reentrant=False)
+        return ring_attention(q, k, v, cp.group, cp.ranks, document_ids)
 
     @staticmethod
     def _mask(
-        b: int, t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool,
-        bias: Optional[torch.Tensor], device: torch.device, allowed: Optional[torch.Tensor] = None,
+        t: int, s: int, key_padding_mask: Optional[torch.Tensor], causal: bool, bias: Optional[torch.Tensor],
+        device: torch.device, attn_mask: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
-        """A boolean (True = attend) or additive float mask; None when plain or
-        ``is_causal`` attention suffices. ``allowed`` (document masks) already holds causality."""
-        if key_padding_mask is None and bias is None and allowed is None and t == s:
+        """A boolean (True = attend) or additive float mask; None when plain or ``is_causal``
+        attention suffices. ``attn_mask`` (the batch's document mask) already holds causality and
+        padding, so it is used as it is (plus ``bias``)."""
+        if attn_mask is not None:
+            return attn_mask if bias is None else bias + attn_mask
+        if key_padding_mask is None and bias is None and t == s:
             return None  # plain causal (or full) attention: SDPA's is_causal path
-        if allowed is None and causal and t > 1:
-            allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
-        if key_padding_mask is not None:
-            allowed = ~key_padding_mask[:, None, None, :] if allowed is None else allowed & ~key_padding_mask[:, None, None, :]
-            if causal:
-                # each query keeps itself, so a left-padded query row is never fully masked
-                itself = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t).triu(s - t)
-                allowed = allowed | itself[None, None]
+        allowed = allowed_keys(t, s, causal, device, key_padding_mask)
         if bias is None:
             return allowed
         if allowed is None:
