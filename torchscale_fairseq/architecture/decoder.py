@@ -127,7 +127,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         if context is not None and incremental_state is None:  # --document-masking is refused under CP
             whole = pad_to_multiple(prev_output_tokens, self.cfg.sequence_multiple, self.padding_idx)
             context_index = context_parallel_indices(whole.size(1), context.size, context.rank, whole.device)
-            x = self.embed(whole, context_index=context_index)
+            x = self.embed(whole, context_index=context_index) if self.split.is_first(chunk) else pipeline_input
             prev_output_tokens = whole[:, context_index]
             length = prev_output_tokens.size(1)
         else:

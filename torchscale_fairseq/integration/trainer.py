@@ -163,7 +163,7 @@ class TsTrainer(ScheduledTrainer):
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         check_fused_loss_run(model, criterion, cfg)
         if self.parallel.pipeline_size > 1:
-            check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
+            check_pipeline_run(cfg, self.parallel.data_context_size, self.parallel.pipeline_size)
         super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
         self.skipped_in_a_row = 0
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
