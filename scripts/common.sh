@@ -9,7 +9,8 @@
 # port the OS assigns and keeps it: concurrent jobs never collide); across nodes MASTER_PORT
 # defaults to 29500; SLURM=1 runs fairseq-train directly and lets fairseq read the Slurm
 # environment (start the script with srun, one task per GPU). MP = tensor-parallel size, PP = pipeline
-# stages (LM recipes; NPROC_PER_NODE defaults to MP x PP); at MP > 1 fairseq writes one checkpoint part per
+# stages, CP = context-parallel size (LM recipes, training only; NPROC_PER_NODE defaults to MP x PP x CP;
+# the rank is t + MP (c + CP (d + DP p))); at MP > 1 fairseq writes one checkpoint part per
 # tensor-parallel rank (NAME-model_part-K.pt, and NAME-model_part-K-shardR.pt when experts are spread over
 # data-parallel ranks), at PP > 1 one file per stage (NAME[-model_part-K]-stageP.pt); evaluation runs at
 # the same MP on one stage (expert shards consolidated, stages merged first). ZERO = --zero-sharding:
@@ -49,12 +50,15 @@ ts_int() {
 
 MP="${MP:-1}"
 PP="${PP:-1}"
+CP="${CP:-1}"
 ts_int MP
 ts_int PP
+ts_int CP
 [ "$MP" -ge 1 ] || die "MP=$MP: the tensor-parallel size is at least 1"
 [ "$PP" -ge 1 ] || die "PP=$PP: the pipeline size is at least 1"
+[ "$CP" -ge 1 ] || die "CP=$CP: the context-parallel size is at least 1"
 NNODES="${NNODES:-1}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-$((MP * PP))}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-$((MP * PP * CP))}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-}"
@@ -74,6 +78,8 @@ if [ "$ZERO" = full ]; then
 fi
 ZERO_ARGS=()  # training only
 [ "$ZERO" = none ] || ZERO_ARGS=(--zero-sharding "$ZERO")
+[ $((WORLD % (MP * PP * CP))) = 0 ] \
+  || die "MP x PP x CP = $((MP * PP * CP)) does not divide the $WORLD processes (NNODES x NPROC_PER_NODE)"
 
 # Device: DEVICE=cpu|cuda; default cuda when torch sees a GPU (always cpu at SCALE=tiny).
 if [ -z "${DEVICE:-}" ]; then
@@ -93,14 +99,16 @@ esac
 DDP_ARGS=(--ddp-backend legacy_ddp)
 [ "$ZERO" != full ] || DDP_ARGS=()  # FSDP2 takes DDP's place
 [ "$MP" -le 1 ] || DEVICE_ARGS+=(--model-parallel-size "$MP" "${DDP_ARGS[@]}")
-PIPELINE_ARGS=()  # training only (evaluation runs one stage)
+PIPELINE_ARGS=()  # pipeline and context parallelism: training only (evaluation runs one stage at CP = 1)
 [ "$PP" -le 1 ] || PIPELINE_ARGS=(--pipeline-model-parallel-size "$PP" --ddp-backend legacy_ddp)
+[ "$CP" -le 1 ] || PIPELINE_ARGS+=(--context-parallel-size "$CP")
 
 # ceil(a / b)
 ts_ceil_div() { echo $((($1 + $2 - 1) / $2)); }
 
-# Data-parallel ranks (the tensor-parallel ranks and pipeline stages of one model share its batches).
-DP_WORLD=$((WORLD / (MP * PP)))
+# Data-parallel ranks (the tensor-parallel ranks, pipeline stages and context-parallel ranks of one model
+# share its batches).
+DP_WORLD=$((WORLD / (MP * PP * CP)))
 
 # ts_launch TOOL ARGS...: run a fairseq console tool on one process, through torchrun, or under Slurm.
 ts_launch() {
@@ -241,6 +249,7 @@ ts_lm_setup() {
 ts_nmt_setup() {
   [ "$PP" = 1 ] || die "PP=$PP: pipeline parallelism runs the LM recipes (ts_lm) only; use PP=1 (MP for tensor parallelism)"
   [ "$ZERO" != full ] || die "ZERO=full runs the LM recipes (ts_lm) only; use ZERO=os for NMT"
+  [ "$CP" = 1 ] || die "CP=$CP: context parallelism runs the LM recipes (ts_lm) only; use CP=1 (MP for tensor parallelism)"
   ts_default DATA data-bin/kjv_sparv_spm data-bin/kjv_sparv_spm_tiny
   ts_default SRC_LANG en en
   ts_default TGT_LANG es es

@@ -4,10 +4,12 @@
 # Knobs: SAVE_DIR (required), DATA, SUBSET (test), CHECKPOINT (checkpoint_best), TOKENS_PER_SAMPLE,
 # CONTEXT_WINDOW (0), BATCH_SIZE, SCALE, DEVICE, MP (the tensor-parallel size it was trained at; one
 # process per part). A pipelined checkpoint (PP > 1 in training) is merged into one stack first
-# (ts-reshard --pipeline-size 1, into CHECKPOINT.one_stage.pt), so PP is not read here. Writes
+# (ts-reshard --pipeline-size 1, into CHECKPOINT.one_stage.pt), so PP is not read here; nor CP (a
+# context-parallel run saves the files of CP = 1). Writes
 # SAVE_DIR/eval_SUBSET.txt ("perplexity P" and "loss_base2 L") and prints it; the full fairseq output is in
 # eval_SUBSET.log.
 PP=1
+CP=1
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ -n "${SAVE_DIR:-}" ] || die "set SAVE_DIR to the training run's directory"
 ts_default DATA data-bin/enwiki_gpt2 data-bin/enwiki_gpt2_tiny

@@ -1,11 +1,14 @@
 """``fairseq-train ts_lm`` under ``--context-parallel-size`` (one process per rank, gloo, CPU):
 the per-update loss and gradient norm and the validation loss of C = 2, of C = 2 x TP = 2, of
 C = 2 x TP = 2 with ``--sequence-parallel`` and selective recomputation, and of C = 2 x DP = 2
-with ``--zero-sharding os``, whole-layer recomputation and learned positions, equal the
-single-process run (C = 2 x DP = 2 against one process summing the same two batches per
-update, ``--update-freq 2``) within the tensor-parallel tests' 1e-4 relative. The last block of
-the corpus is shorter than ``--tokens-per-sample``: it is padded to the ``2 C`` chunks. The flag
-in a single process is a one-line error."""
+with ``--zero-sharding os``, whole-layer recomputation and learned positions, and of C = 2 x
+PP = 2 (the stages' messages are each rank's two chunks, ``(B, T / C, E)``; the first stage
+embeds them at their global positions), equal the single-process run (C = 2 x DP = 2 against
+one process summing the same two batches per update, ``--update-freq 2``) within the
+tensor-parallel tests' 1e-4 relative. The last block of the corpus is shorter than
+``--tokens-per-sample``: it is padded to the ``2 C`` chunks. The flag in a single process, and
+C = 2 x PP = 2 with DDP's hooks (``--ddp-backend c10d``: the context ranks average gradients, inside
+backwards the pipeline runs out of order), are one-line errors."""
 
 from __future__ import annotations
 
@@ -46,16 +49,20 @@ def runs(tmp_path_factory) -> dict:
         "c2tp2": (lm_args(lm_bin, "--context-parallel-size", "2", "--model-parallel-size", "2"), 4),
         "c2tp2sp": (lm_args(lm_bin, "--context-parallel-size", "2", "--model-parallel-size", "2", "--sequence-parallel",
                             "--checkpoint-activations", "selective"), 4),
+        "c2pp2": (lm_args(lm_bin, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--ddp-backend", "legacy_ddp"), 4),
         "c2dp2": (lm_args(lm_bin, *learned, "--context-parallel-size", "2", "--zero-sharding", "os",
                           "--checkpoint-activations", update_freq=1), 4),
     }
+    jobs["c2pp2_c10d"] = (lm_args(lm_bin, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                  "--ddp-backend", "c10d"), 4)
     logs, _ = run_jobs({name: ("fairseq-train", args, world) for name, (args, world) in jobs.items()}, root,
-                       unrounded=True)
+                       unrounded=True, must_fail=["c2pp2_c10d"])
     return {"root": root, "lm_bin": lm_bin, "logs": {name: files[0] for name, files in logs.items()}}
 
 
 @pytest.mark.parametrize("run,reference", [("c2", "c1"), ("c2tp2", "c1"), ("c2tp2sp", "c1"),
-                                           ("c2dp2", "c1_learned")])
+                                           ("c2pp2", "c1"), ("c2dp2", "c1_learned")])
 def test_context_parallel_equals_single_process(runs, run, reference):
     ours, theirs = train_records(runs["logs"][run]), train_records(runs["logs"][reference])
     assert len(ours) == len(theirs) == UPDATES
@@ -74,3 +81,10 @@ def test_flag_without_processes_is_one_line(runs, tmp_path):
                    "--user-dir", str(USER_DIR), "--cpu"], log).wait(timeout=300)
     assert code != 0
     assert "--context-parallel-size 2 needs a multi-process run of a multiple of 2 ranks (this one has 1)" in log.read_text()
+
+
+def test_pipeline_with_ddp_hooks_is_one_line(runs):
+    text = runs["logs"]["c2pp2_c10d"].read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    assert ("--ddp-backend c10d all-reduces inside every backward, which a pipeline runs out of order: use "
+            "--ddp-backend legacy_ddp") in lines[-1] and "Traceback" not in text, text[-2000:]

@@ -1,6 +1,7 @@
 """Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), also at MP=2 (tensor
-parallel, gloo; MoE with experts replicated over the two parts) and the dense LM at PP=2 (two
-pipeline stages; evaluate.sh merges them), then ts-plot-logs on the logs, and
+parallel, gloo; MoE with experts replicated over the two parts), the dense LM at PP=2 (two
+pipeline stages; evaluate.sh merges them) and the long-context LM at its tiny CP=2 x MP=2 (its
+flags: context parallelism, --sequence-parallel, selective recomputation), then ts-plot-logs on the logs, and
 scripts/demo.sh at toy size on the same data (its baselines against sacrebleu and the formula)."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TRAININGS = {
     "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
     "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
     "lm_dense_full": ("lm/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "2"}),
+    "lm_long_context": ("lm/train_long_context.sh", {"CP": "2", "MP": "2"}),
 }
 
 
@@ -74,10 +76,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return saves
 
 
-@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2", "lm_dense_full"])
+@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2", "lm_dense_full",
+                                  "lm_long_context"])
 def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
-    parts = {"lm_moe_mp2": ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"],
+    mp2 = ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"]
+    parts = {"lm_moe_mp2": mp2, "lm_long_context": mp2,
              "lm_dense_pp2": ["checkpoint_best-stage0.pt", "checkpoint_best-stage1.pt",
                               "checkpoint_best.one_stage.pt"]}.get(name, ["checkpoint_best.pt"])
     assert sorted(p.name for p in save.glob("checkpoint_best*.pt")) == parts
@@ -88,6 +92,10 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
         assert "moe_entropy" in log.records["train_inner"][-1]
     if name == "lm_dense_full":  # FSDP2 over 2 ranks; its checkpoint evaluates as any other
         assert "'zero_sharding': 'full'" in (save / "train.log").read_text()
+    if name == "lm_long_context":
+        text = (save / "train.log").read_text()
+        assert all(f in text for f in ("'context_parallel_size': 2", "'sequence_parallel': True",
+                                       "'checkpoint_activations': selective", "'tokens_per_sample': 64"))
     fields = dict(line.split(" ", 1) for line in (save / "eval_test.txt").read_text().splitlines())
     ppl, loss2 = float(fields["perplexity"]), float(fields["loss_base2"])
     assert fields["subset"] == "test" and ppl > 1
@@ -196,6 +204,10 @@ def test_bad_settings_give_one_line_errors(tmp_path: Path) -> None:
         ("nmt/train_moe.sh", {"NPROC_PER_NODE": "3", "MP": "2"}, "MP=2 does not divide the 3 processes"),
         ("lm/train_dense.sh", {"NPROC_PER_NODE": "2", "PP": "4"}, "MP x PP = 4 does not divide the 2 processes"),
         ("nmt/train_dense.sh", {"PP": "2"}, "PP=2: pipeline parallelism runs the LM recipes (ts_lm) only"),
+        ("nmt/train_dense.sh", {"CP": "2"}, "CP=2: context parallelism runs the LM recipes (ts_lm) only"),
+        ("lm/train_long_context.sh", {"NPROC_PER_NODE": "4", "CP": "4"}, "MP x PP x CP = 8 does not divide the 4 processes"),
+        ("lm/train_long_context.sh", {"TOKENS_PER_SAMPLE": "60"},
+         "TOKENS_PER_SAMPLE=60 does not split into 2 x CP x MP = 8 equal chunks"),
         ("nmt/evaluate.sh", {}, "set SAVE_DIR"),
         ("demo.sh", {"PARALLEL": "yes"}, "PARALLEL=yes: set it to 0 or 1"),
     ):

@@ -130,7 +130,8 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             if document_ids is not None:  # the ring masks its blocks by document: no (T, T) mask
                 ring_documents = pad_to_multiple(document_ids, self.cfg.sequence_multiple, -1)
                 document_ids = None
-            x = self.embed(whole, context_index=context_index, document_ids=ring_documents)
+            x = (self.embed(whole, context_index=context_index, document_ids=ring_documents)
+                 if self.split.is_first(chunk) else pipeline_input)
             prev_output_tokens = whole[:, context_index]
             length = prev_output_tokens.size(1)
         else:

@@ -45,9 +45,16 @@ class PipelineStage(nn.Module):
 
     def hidden_shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
         """The shape of the hidden states between two stages for the stack's input ``tokens``
-        ``(B, T)``: ``(B, T, C)``, or this rank's slice ``(B, ceil(T / t), C)`` under sequence
-        parallelism in training (the tokens padded to a multiple of ``t``)."""
+        ``(B, T)``: ``(B, T, E)``; under context parallelism (size ``C``) this rank's two chunks,
+        ``(B, T' / C, E)`` with ``T'`` the length padded to the ``2 C`` chunks
+        (:attr:`~torchscale_fairseq.architecture.config.StackConfig.sequence_multiple`); of that,
+        this rank's slice ``(B, ceil(. / t), E)`` under sequence parallelism in training (the
+        tokens padded to a multiple of ``t``)."""
         batch, length = tokens.shape
+        context_size = self.cfg.parallel.context_size
+        if context_size > 1:
+            multiple = self.cfg.sequence_multiple
+            length = -(-length // multiple) * multiple // context_size
         if is_split(self.cfg, self.training):
             length = -(-length // group_size(self.cfg.tp_group))
         return batch, length, self.cfg.embed_dim

@@ -259,12 +259,13 @@ class ScheduledTrainer(Trainer):
 
 
 def check_pipeline_run(cfg: Any, data_parallel_size: int, pipeline_size: int) -> None:
-    """What a pipeline-parallel run cannot honour, refused in one line before any step."""
+    """What a pipeline-parallel run cannot honour, refused in one line before any step
+    (``data_parallel_size``: the ranks gradients are averaged over, data x context parallel)."""
     backend = cfg.distributed_training.ddp_backend
     if data_parallel_size > 1 and backend not in ("legacy_ddp", "no_c10d"):
         raise TsConfigError(
             f"--ddp-backend {backend} all-reduces inside every backward, which a pipeline runs out of order: use "
-            "--ddp-backend legacy_ddp with --pipeline-model-parallel-size > 1 and data parallelism"
+            "--ddp-backend legacy_ddp with --pipeline-model-parallel-size > 1 and data or context parallelism"
         )
     if cfg.ema.store_ema:
         raise TsConfigError("--store-ema is not pipeline-parallel: drop it or use --pipeline-model-parallel-size 1")

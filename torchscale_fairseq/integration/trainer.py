@@ -187,13 +187,13 @@ class TsTrainer(ScheduledTrainer):
         check_foreign_flags(cfg.optimizer)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
-        check_fully_sharded(cfg, self.parallel.data_size, self.parallel.pipeline_size,
+        check_fully_sharded(cfg, self.parallel.data_context_size, self.parallel.pipeline_size,
                             any(is_expert(p) for p in model.parameters()))
         bf16_without_tpu(cfg)
         check_balance_loss_criterion(model, criterion, str(cfg.criterion._name), cfg.model)
         check_fused_loss_run(model, criterion, cfg)
         if self.parallel.pipeline_size > 1:
-            check_pipeline_run(cfg, self.parallel.data_size, self.parallel.pipeline_size)
+            check_pipeline_run(cfg, self.parallel.data_context_size, self.parallel.pipeline_size)
         # --zero-sharding full --bf16: fp32 shards, bf16 compute (MixedPrecisionPolicy), so fairseq
         # neither casts the model nor builds its fp32 master
         with _config_value(cfg, "common", "bf16", cfg.common.bf16 and not self.fully_sharded):
