@@ -75,5 +75,5 @@ def test_context_parallel_moe_equals_c1(logs, run, reference):
     ours_valid, theirs_valid = valid_records(logs[run]), valid_records(logs[reference])
     assert len(ours_valid) == len(theirs_valid) == 2
     for a, b in zip(ours_valid, theirs_valid):
-        for key in ("valid_loss", "valid_moe_gate_loss", "valid_bsz"):
+        for key in ("valid_loss", "valid_bsz", *(f"valid_{k}" for k in (*FIGURES[4:], *cvs))):
             assert relative_close(float(a[key]), float(b[key]), REL), (key, a[key], b[key])
