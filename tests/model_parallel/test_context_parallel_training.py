@@ -67,7 +67,7 @@ def test_context_parallel_equals_single_process(runs, run, reference):
     ours, theirs = train_records(runs["logs"][run]), train_records(runs["logs"][reference])
     assert len(ours) == len(theirs) == UPDATES
     for step, (a, b) in enumerate(zip(ours, theirs), start=1):
-        for key in ("loss", "gnorm", "wpb"):
+        for key in ("loss", "gnorm", "wpb", "bsz"):
             assert relative_close(float(a[key]), float(b[key]), REL), f"update {step} {key}: {a[key]} vs {b[key]}"
     ours_valid, theirs_valid = valid_losses(runs["logs"][run]), valid_losses(runs["logs"][reference])
     assert len(ours_valid) == len(theirs_valid) == 2

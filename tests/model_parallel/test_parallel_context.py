@@ -187,6 +187,20 @@ def test_expert_groups_are_built_with_the_context(ranks):
                                                       "(built: 2)")
 
 
+def test_expert_groups_span_data_and_context_ranks(ranks):
+    """C = 2 x D = 2 (rank = c + 2 d): the default layout puts 4 experts on all 4 data-context ranks;
+    at size 2 the all-to-all pairs are the context-parallel groups {0, 1}, {2, 3}, the replicas
+    the data-parallel groups {0, 2}, {1, 3}."""
+    for rank, r in enumerate(ranks):
+        case = r["experts_c2"]
+        assert case["data"] == [rank % 2, rank % 2 + 2] and case["expert_groups"] == [1, 2, 4]
+        assert case["experts"]["4/0"] == {"all_to_all": [0, 1, 2, 3], "replicas": [rank], "first": rank, "local": 1,
+                                          "size": 4}
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert case["experts"]["4/2"] == {"all_to_all": pair, "replicas": [rank % 2, rank % 2 + 2],
+                                          "first": 2 * (rank % 2), "local": 2, "size": 2}
+
+
 UPDATES = 2
 # a 4-layer Magneto ts_lm with X-MoE in layers 2 and 4, SparseClip and the z-loss; "all" keeps both
 # experts of every token, so routing draws nothing that --update-freq would advance

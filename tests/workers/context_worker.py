@@ -19,12 +19,13 @@ from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.parallel_context import build_parallel_context
 
 # name: (tensor size, pipeline size, expert-parallel sizes (None: every divisor of the data-parallel
-# size), the (expert count, --moe-expert-parallel-size) layouts looked up)
+# x context-parallel size), the (expert count, --moe-expert-parallel-size) layouts looked up, context size)
 CASES = {
-    "t2p2": (2, 2, None, [(4, 0)]),  # data-parallel size 1: no expert group, every expert local
-    "p4": (1, 4, None, []),  # middle stages: in no embedding group
-    "experts": (1, 1, None, [(4, 0), (2, 0), (4, 2), (4, 1)]),  # sizes 1, 2 and 4
-    "experts_a2": (1, 1, [2, 2], [(4, 2), (2, 0)]),  # the repeated size is built once
+    "t2p2": (2, 2, None, [(4, 0)], 1),  # data-parallel size 1: no expert group, every expert local
+    "p4": (1, 4, None, [], 1),  # middle stages: in no embedding group
+    "experts": (1, 1, None, [(4, 0), (2, 0), (4, 2), (4, 1)], 1),  # sizes 1, 2 and 4
+    "experts_a2": (1, 1, [2, 2], [(4, 2), (2, 0)], 1),  # the repeated size is built once
+    "experts_c2": (1, 1, None, [(4, 0), (4, 2)], 2),  # experts over data x context ranks
 }
 
 
@@ -38,9 +39,9 @@ def members(group, rank: int, world: int) -> list[int]:
     return [r for r in range(world) if one_hot[r]]
 
 
-def findings(tensor: int, pipeline: int, sizes: list[int] | None, lookups: list[tuple[int, int]], rank: int,
-             world: int) -> dict:
-    ctx = build_parallel_context(tensor, pipeline, sizes)
+def findings(tensor: int, pipeline: int, sizes: list[int] | None, lookups: list[tuple[int, int]], context: int,
+             rank: int, world: int) -> dict:
+    ctx = build_parallel_context(tensor, pipeline, sizes, context)
     out = {
         "tensor": members(ctx.tensor_group, rank, world), "tensor_ranks": list(ctx.tensor_ranks),
         "data": members(ctx.data_group, rank, world), "data_ranks": list(ctx.data_ranks),

@@ -150,12 +150,14 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             # causal: trailing pads change no real token's output (the loss ignores pad targets);
             # only a pad followed by a real token (left padding), or MoE routing, needs the mask
             needs = pads if self.cfg.moe is not None else pads[:, :-1] & ~pads[:, 1:]
-            if bool(needs.any()):
-                if context_index is not None:
+            if context_index is not None:  # the ring has no mask: the whole sequence (every rank's) is checked
+                every = whole.eq(self.padding_idx)
+                if bool((every[:, :-1] & ~every[:, 1:]).any()):
                     raise TsConfigError(
                         "context parallelism runs causal attention without a padding mask, but this batch has a pad "
                         "before a real token (left padding): right-pad the batch or use --context-parallel-size 1"
                     )
+            if bool(needs.any()):
                 padding_mask = pads
         attn_mask = (document_attention_mask(document_ids, True, compute_dtype(x), padding_mask)
                      if document_ids is not None else None)

@@ -7,7 +7,10 @@ with ``w`` = ``--moe-gate-loss-wt`` (paper: 0.01), ``L_l`` the balance loss of M
 balance term keeps weight ``w`` whatever the batch); ``w_z`` = ``--moe-z-loss-wt`` (ST-MoE: 0.001;
 default 0, off), ``Z_l`` the layer's router z-loss (the mean over this rank's tokens,
 :func:`~torchscale_fairseq.modules.moe.balance.router_z_loss`) and ``S_r`` this rank's sample size,
-so that every token's z-loss weighs the same in any data-parallel layout. With ``--moe-balance-scope
+so that every token's z-loss weighs the same in any data-parallel layout. Under context parallelism
+"this rank's" micro-batch is its context-parallel group's (each rank holds chunks of it): ``S`` and
+``S_r`` are the whole micro-batch's, ``L_l`` and ``Z_l`` this rank's shares of the group's
+(:mod:`torchscale_fairseq.modules.moe.balance`), so the terms and figures add up to ``C = 1``'s. With ``--moe-balance-scope
 local`` (default) ``L_l`` and ``S`` are this rank's, as in fairseq's MoE branch; with ``global``
 ``L_l`` is this rank's share of the data-parallel group's loss
 (:mod:`torchscale_fairseq.modules.moe.balance`) and ``S`` is summed over the group (by the trainer,
@@ -73,14 +76,16 @@ def moe_figures(layers: list[MoEAux], sample_size: Any, logging_output: dict) ->
     """Fill ``logging_output`` with the MoE figures of ``layers``: ``moe_gate_loss`` = ``S sum_l L_l``
     (``S`` from the layers' :class:`~torchscale_fairseq.modules.moe.aux_loss.AuxLossScale`, summed over
     the data-parallel group under the global balance scope; ``sample_size`` when none was set),
-    ``moe_z_loss`` = ``S_r sum_l Z_l``, the per-layer load CVs, drops and routing entropy."""
+    ``moe_z_loss`` = ``S_r sum_l Z_l`` (``S_r`` the scale's, the micro-batch's under context parallelism),
+    the per-layer load CVs, drops and routing entropy."""
     if not layers:
         logging_output["moe_gate_loss"] = logging_output["moe_z_loss"] = 0.0
         return
     gate = torch.stack([m.balance_loss.detach().float() for m in layers]).sum()
     z = torch.stack([m.z_loss.detach().float() for m in layers]).sum()
-    local = torch.as_tensor(sample_size, dtype=torch.float32, device=gate.device)
     scale = layers[0].scale
+    local = torch.as_tensor(sample_size if scale is None else scale.sample_size, dtype=torch.float32,
+                            device=gate.device)
     total = local if scale is None else scale.balance_sample_size.to(gate.device)
     figures = torch.cat([  # the layers' statistics are device tensors: one host read for all of them
         torch.stack([gate * total, z * local]),

@@ -76,8 +76,8 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     parallel = current_parallel_context()
     check_tensor_parallel_size(state, path, parallel.tensor_size)
     check_pipeline_size(state, path, parallel.pipeline_size)
-    if read_record(state).experts > 0:  # experts are sharded over the data-parallel ranks when there are several
-        check_expert_shards(state, path, parallel.data_size)
+    if read_record(state).experts > 0:  # experts are sharded over the data-context ranks when there are several
+        check_expert_shards(state, path, parallel.data_context_size)
     return state
 
 

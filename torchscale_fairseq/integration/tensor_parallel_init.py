@@ -37,8 +37,8 @@ STOCK_DISTRIBUTED_INIT = distributed_utils.distributed_init
 
 def expert_parallel_sizes(model_cfg: Any, data_size: int) -> list[int] | None:
     """The expert-parallel sizes the model may ask its context for: ``--moe-expert-parallel-size``
-    where it is given (and divides the data-parallel size; otherwise the model's build names the
-    mismatch), else ``None``: every divisor (the default size follows from the expert count, which
+    where it is given (and divides ``data_size``, the data-parallel x context-parallel size; otherwise
+    the model's build names the mismatch), else ``None``: every divisor (the default size follows from the expert count, which
     the evaluation tools learn only from the checkpoint)."""
     size = (getattr(model_cfg, "moe_expert_parallel_size", 0) or 0) if model_cfg is not None else 0
     if size <= 0:
@@ -67,8 +67,8 @@ def distributed_init(cfg) -> int:
     model_cfg = getattr(cfg, "model", None)
     pipeline_size = (getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1) if model_cfg is not None else 1
     context_size = (getattr(model_cfg, "context_parallel_size", 1) or 1) if model_cfg is not None else 1
-    data_size = dist.get_world_size() // (max(tp_size, 1) * pipeline_size * context_size)
-    context = build_parallel_context(max(tp_size, 1), pipeline_size, expert_parallel_sizes(model_cfg, data_size),
+    data_context_size = dist.get_world_size() // (max(tp_size, 1) * pipeline_size)
+    context = build_parallel_context(max(tp_size, 1), pipeline_size, expert_parallel_sizes(model_cfg, data_context_size),
                                      context_size)
     set_parallel_context(context)
     if tp_size > 1:

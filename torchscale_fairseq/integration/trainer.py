@@ -7,7 +7,7 @@
   the ranks of one tensor-parallel group see identical batches; under ``--context-parallel-size``
   the ranks of a context-parallel group read the same batch too, each keeps the targets of its
   chunks (:mod:`.context_parallel_batches`), and gradients, sample sizes and statistics reduce
-  over the data-parallel x context-parallel group;
+  over the data-parallel x context-parallel group (the sentences counted once per group);
 - under ``--sequence-parallel`` the gradients of the parameters used on a slice of the
   sequence are summed over the tensor-parallel group before the norm;
 - the gradient norm counts every gradient once (the optimizer's ``clip_grad_norm`` is
@@ -242,6 +242,14 @@ class TsTrainer(ScheduledTrainer):
             sample = context_parallel_sample(sample, self.parallel.context_size, self.parallel.context_rank, multiple,
                                              self.task.target_dictionary.pad())
         return super()._prepare_sample(sample, is_dummy)
+
+    def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
+        """fairseq's sum over the data-context group; under context parallelism the criterion's
+        ``nsentences`` (``target.size(0)``, the same on the ``C`` ranks of a group) counts on context
+        rank 0 only, so that ``bsz`` is that of ``C = 1``."""
+        if self.parallel.context_rank > 0:
+            logging_outputs = [{**log, "nsentences": 0} if "nsentences" in log else log for log in logging_outputs]
+        return super()._aggregate_logging_outputs(logging_outputs, *extra_stats_to_sum, ignore=ignore)
 
     @property
     def model(self):

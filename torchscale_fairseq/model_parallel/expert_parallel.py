@@ -1,7 +1,11 @@
 """Expert-parallel layout over the data-parallel ranks. Under tensor parallelism each
 tensor-parallel rank has its own data-parallel group and the all-to-all runs inside it:
 the ranks of one tensor-parallel group hold the same experts, each its shard of every
-expert (``--moe-expert-tensor-parallel split``) or whole copies (``replicate``).
+expert (``--moe-expert-tensor-parallel split``) or whole copies (``replicate``). Under context
+parallelism the "data-parallel" ranks here are those of the data-context group (data-parallel x
+context-parallel, ``C D`` ranks; Megatron-core's expert layout spans both axes): every rank of a
+context-parallel group routes its own tokens, so the all-to-all and the replica sums may cross
+context-parallel ranks as they cross data-parallel ones.
 
 With ``W`` data-parallel ranks and ``E`` experts, the experts are spread over all-to-all groups
 of ``A`` consecutive data-parallel ranks, ``E / A`` experts per rank (position ``r`` of a group
@@ -41,7 +45,7 @@ class ExpertParallel:
     rank: int = 0
     group: object | None = None
     replica_group: object | None = None
-    data_parallel_group: object | None = None
+    data_parallel_group: object | None = None  # the whole layout's (data-context under context parallelism)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ apart, a data-parallel group the ranks ``T C`` apart inside one stage, a pipelin
 ``P = 1`` it is the rank itself). The data-context group (every ``(c, d)`` of one ``(t, p)``,
 ``C D`` ranks) is where gradients are averaged: the ranks of a context-parallel group read the
 same batch but hold different tokens of it. At ``C = P = 1`` this is Megatron-LM appendix B.1.
-Experts are spread over the data-parallel groups (:mod:`.expert_parallel`), their groups created
-here too.
+Experts are spread over the data-context groups (:mod:`.expert_parallel`; Megatron-core's expert
+layout spans data x context parallelism too: each rank of a context-parallel group routes its own
+tokens), their groups created here as well.
 
 :func:`build_parallel_context` creates every group (``dist.new_group`` is collective over the
 world: every rank calls it with the same arguments, in the same order), the expert groups for
-the expert-parallel sizes asked for (every divisor of ``D`` unless given): they depend on the size
+the expert-parallel sizes asked for (every divisor of ``C D`` unless given): they depend on the size
 alone, so the edge needs no MoE flag but ``--moe-expert-parallel-size``.
 
 Where the context reaches the code: the edge
@@ -191,23 +192,23 @@ class ParallelContext:
         return self.pipeline_rank == self.pipeline_size - 1
 
     def expert_groups_of(self, size: int) -> ExpertGroups:
-        """The expert groups of all-to-all size ``size``; on one data-parallel rank size 1 (every
-        expert local, no group), otherwise groups the context was built with."""
-        if self.data_size == 1 and size == 1:
+        """The expert groups of all-to-all size ``size`` (inside the data-context group); on one
+        data-context rank size 1 (every expert local, no group), otherwise groups the context was built with."""
+        if self.data_context_size == 1 and size == 1:
             return ExpertGroups()
         if size not in self.expert_groups:
             built = ", ".join(str(a) for a in sorted(self.expert_groups)) or "none"
             raise TsConfigError(
                 f"the parallel context holds no expert-parallel groups of size {size} (built: {built}): build it "
                 f"with build_parallel_context(..., expert_parallel_sizes) including {size} (fairseq's distributed_init "
-                "builds --moe-expert-parallel-size, or every divisor of the data-parallel size when it is 0)"
+                "builds --moe-expert-parallel-size, or every divisor of the data x context-parallel size when it is 0)"
             )
         return self.expert_groups[size]
 
     def expert_parallel(self, num_experts: int, expert_parallel_size: int = 0) -> ExpertParallel:
         """Where ``num_experts`` experts live at ``--moe-expert-parallel-size`` ``expert_parallel_size``
         (0: the default size, :func:`~torchscale_fairseq.model_parallel.expert_parallel.expert_layout`)."""
-        size, _ = expert_layout(self.data_size, num_experts, expert_parallel_size)
+        size, _ = expert_layout(self.data_context_size, num_experts, expert_parallel_size)
         return self.expert_groups_of(size).place(num_experts)
 
 
@@ -233,7 +234,7 @@ def build_parallel_context(tensor_size: int, pipeline_size: int = 1,
                            context_size: int = 1) -> ParallelContext:
     """Create every group of the run after ``init_process_group``; every rank calls it with the same
     arguments. ``expert_parallel_sizes``: the all-to-all sizes ``A`` the model may ask for
-    (``None``: every divisor of the data-parallel size; none on one data-parallel rank)."""
+    (``None``: every divisor of the data-context size ``C D``; none on one data-context rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = parallel_groups_layout(world, tensor_size, pipeline_size, context_size)
     tensor_ranks, tensor_group = _create_groups(layout.tensor, rank)
@@ -243,12 +244,12 @@ def build_parallel_context(tensor_size: int, pipeline_size: int = 1,
     context_ranks, context_group = _create_groups(layout.context, rank)
     data_context_ranks, data_context_group = (_create_groups(layout.data_context, rank) if context_size > 1
                                               else (data_ranks, data_group))
-    data_size = len(data_ranks)
-    sizes = divisors(data_size) if expert_parallel_sizes is None else expert_parallel_sizes
+    experts_size = len(data_context_ranks)
+    sizes = divisors(experts_size) if expert_parallel_sizes is None else expert_parallel_sizes
     expert_groups = {}
-    if data_size > 1:
+    if experts_size > 1:
         for size in dict.fromkeys(int(a) for a in sizes):
-            expert_groups[size] = build_expert_groups(layout.data, rank, data_group, size)
+            expert_groups[size] = build_expert_groups(layout.data_context, rank, data_context_group, size)
     return ParallelContext(world, rank, tensor_ranks, data_ranks, pipeline_ranks, embedding_ranks, tensor_group,
                            data_group, pipeline_group, embedding_group, expert_groups, context_ranks,
                            data_context_ranks, context_group, data_context_group)

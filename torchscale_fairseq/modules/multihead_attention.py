@@ -207,10 +207,13 @@ class MultiheadAttention(nn.Module):
                 if incremental_state is not None:
                     incremental_state[self.cache_key] = {"k": k, "v": v}
         b, t, s = q.size(0), q.size(2), k.size(2)
-        mask = self._mask(t, s, key_padding_mask, causal, bias, q.device, attn_mask)
+        ring = self.context_parallel is not None and incremental_state is None
+        # under context parallelism the decoder passes trailing pads only (for MoE routing; it refuses
+        # left padding): they change no real token's causal attention, and the ring takes no padding mask
+        mask = self._mask(t, s, None if ring else key_padding_mask, causal, bias, q.device, attn_mask)
         is_causal = True if causal and mask is None and t == s and t > 1 else False  # a bool, also for symbolic t, s
         dropout_p = self.dropout if self.training else 0.0
-        if self.context_parallel is not None and incremental_state is None:
+        if ring:
             out = self._ring_core(q, k, v, mask, causal, ring_document_ids)
         elif self.recompute_core and self.training and torch.is_grad_enabled() and incremental_state is None:
             out = recompute_attention_core(q, k, v, mask, dropout_p, is_causal, self.backend)

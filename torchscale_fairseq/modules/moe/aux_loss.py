@@ -27,7 +27,8 @@ class AuxLossScale:
     """One micro-batch's gradients of the auxiliary losses (0-d fp32 tensors): ``balance`` =
     ``w S`` x loss scale, ``z`` = ``w_z S_r`` x loss scale (both 0 for an ignored batch), with
     ``S`` = ``balance_sample_size`` (summed over the data-parallel group under the global balance
-    scope) and ``S_r`` = ``sample_size``, this rank's."""
+    scope) and ``S_r`` = ``sample_size``, this rank's micro-batch's (under context parallelism the
+    whole micro-batch, whose chunks the context-parallel group holds)."""
 
     balance: torch.Tensor
     z: torch.Tensor

@@ -11,6 +11,14 @@ probability of ``e``; uniform routing gives ``L = 1``. Its scope (``--moe-balanc
 Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``Z = mean_t (log sum_e exp s_te)^2`` over
 this rank's routed tokens, ``s`` the router's scores (logits) before the softmax; it keeps
 the scores small, so the router's softmax stays away from saturation in low precision.
+
+Under context parallelism the ``C`` ranks of a context-parallel group each hold chunks of the
+same micro-batch: "this rank's micro-batch" above means the group's. The statistics of
+:func:`micro_batch_totals` are summed over the group (Megatron-core reduces its router's token
+counts over the tensor x context-parallel group too), each rank's balance loss is its share as in
+the global scope, its z-loss ``sum_t z_t / N`` over its tokens with ``N`` the group's, so the
+shares add up to the loss of ``C = 1``; the global scope sums the counts over the data-parallel
+x context-parallel group.
 """
 
 from __future__ import annotations
@@ -69,6 +77,17 @@ def choice_totals(first_expert: torch.Tensor, num_experts: int, group: object | 
     return totals
 
 
+def micro_batch_totals(first_expert: torch.Tensor, load: torch.Tensor, context_group: object | None = None,
+                       real: torch.Tensor | None = None) -> torch.Tensor:
+    """``[c_1, ..., c_E, N, l_1, ..., l_E]``: :func:`choice_totals` and the assignments asked of each
+    expert (``load``) of this rank's tokens, summed over ``context_group`` (the ranks holding the
+    micro-batch's other chunks; ``None``: this rank's tokens are the micro-batch)."""
+    totals = torch.cat([choice_totals(first_expert, load.numel(), None, real), load.float()])
+    if context_group is not None and dist.is_initialized() and dist.get_world_size(context_group) > 1:
+        dist.all_reduce(totals, group=context_group)
+    return totals
+
+
 def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object | None = None,
                  totals: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e f_e p_e`` over the real tokens (see the module docstring): local with
@@ -84,19 +103,23 @@ def balance_loss(probs: torch.Tensor, first_expert: torch.Tensor, group: object 
     return num_experts * (f * p.sum(0)).sum() / n
 
 
-def router_z_loss(scores: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-    """``mean_t (logsumexp_e s_te)^2`` of the router scores ``(T, E)`` over the real tokens
-    (0 for none), in fp32."""
+def router_z_loss(scores: torch.Tensor, real: torch.Tensor | None = None,
+                  tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_t (logsumexp_e s_te)^2 / N`` of the router scores ``(T, E)`` over the real tokens, in
+    fp32; ``N``: ``tokens`` (the micro-batch's real tokens under context parallelism) or the real
+    tokens here (the mean; 0 for none)."""
     z = torch.logsumexp(scores.float(), dim=-1).square()
-    if real is None:
-        return z.sum() / max(scores.size(0), 1)
-    return (z * real).sum() / real.sum().clamp(min=1)
+    total = z.sum() if real is None else (z * real).sum()
+    if tokens is not None:
+        return total / tokens.clamp(min=1)
+    return total / (max(scores.size(0), 1) if real is None else real.sum().clamp(min=1))
 
 
-def routing_stats(probs: torch.Tensor, routing) -> RoutingStats:
-    """The statistics of one routing (a :class:`~.gating.Routing`), without host reads."""
+def routing_stats(probs: torch.Tensor, routing, load: torch.Tensor | None = None) -> RoutingStats:
+    """The statistics of one routing (a :class:`~.gating.Routing`), without host reads; ``load``:
+    the micro-batch's assignments per expert for the load CV (``None``: the routing's)."""
     with torch.no_grad():
-        load = routing.load
+        load = routing.load if load is None else load
         cv = load.std(unbiased=False) / load.mean().clamp(min=1e-9) if load.numel() > 1 else load.new_zeros(())
         p = probs.detach().float()
         entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)

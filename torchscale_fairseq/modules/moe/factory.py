@@ -2,7 +2,8 @@
 stack (paper: every second layer), ``None`` (the dense default) elsewhere. Under tensor
 parallelism its experts are split over the stack's ``tp_group`` (``--moe-expert-tensor-parallel
 split``, the default) or whole on every tensor-parallel rank (``replicate``); under
-``--sequence-parallel`` it gathers the sequence over ``tp_group`` (see :class:`MoELayer`). Where
+``--sequence-parallel`` it gathers the sequence over ``tp_group``, under context parallelism its
+routing statistics sum over the context-parallel group (see :class:`MoELayer`). Where
 its experts live (the expert-parallel groups) is looked up in the stack's parallel context,
 which created them: building a model creates no process group."""
 
@@ -22,5 +23,7 @@ def build_ffn(cfg: Any, index: int, tag: str) -> nn.Module | None:
         return None
     tp_group = cfg.tp_group if moe.expert_tensor_parallel == "split" else None
     parallel = cfg.parallel.expert_parallel(moe.expert_count, moe.expert_parallel_size)
+    context = cfg.parallel.context_group if cfg.parallel.context_size > 1 else None
     return MoELayer(moe, cfg.ffn_spec(), tag=tag, parallel=parallel, tp_group=tp_group,
-                    sequence_group=cfg.tp_group if getattr(cfg, "sequence_parallel", False) else None)
+                    sequence_group=cfg.tp_group if getattr(cfg, "sequence_parallel", False) else None,
+                    context_group=context)

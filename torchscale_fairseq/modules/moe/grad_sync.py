@@ -4,9 +4,10 @@ Ranks hold different experts under the same parameter names, so data parallelism
 neither broadcast nor average expert parameters. Their gradients already contain every
 rank's tokens (the all-to-all backward brings them home), so an expert's gradient is
 summed over its replica group (the run's context's expert groups of the size the parameter is
-tagged with) and divided by the data-parallel size ``W``, matching DDP's mean for the dense
-parameters (fairseq then multiplies all gradients by ``W / sample_size``): DDP is told to leave the
-experts out (:func:`keep_experts_out_of_ddp`) and the wrapper's gradient all-reduce is followed by
+tagged with) and divided by the data-context size ``W`` (data-parallel x context-parallel ranks,
+over which DDP averages), matching DDP's mean for the dense parameters (fairseq then multiplies
+all gradients by ``W / sample_size``): DDP is told to leave the experts out
+(:func:`keep_experts_out_of_ddp`) and the wrapper's gradient all-reduce is followed by
 :func:`sync_expert_grads` (:func:`sync_experts_after`); the trainer calls both when it wraps the model.
 """
 
@@ -59,5 +60,5 @@ def sync_expert_grads(model: nn.Module, parallel: ParallelContext) -> None:
         group = parallel.expert_groups_of(expert_parallel_size(p)).replica_group
         if group is not None:
             dist.all_reduce(p.grad, group=group)
-        if parallel.data_size > 1:
-            p.grad.div_(parallel.data_size)
+        if parallel.data_context_size > 1:
+            p.grad.div_(parallel.data_context_size)

@@ -45,6 +45,16 @@ gradient is whole and the same on every rank as under plain tensor parallelism (
 router's and the experts' included, so none is sequence-parallel-marked), and the gradient
 leaving the entry is this rank's slice of it. The bytes match Megatron-core's all-gather
 dispatcher (an all-gather each way, ``B T C`` elements).
+
+Under context parallelism (``context_group``: the ranks holding the other chunks of this rank's
+sequences) each rank routes its own tokens; the routing statistics are summed over the group
+(:func:`~.balance.micro_batch_totals`), so that the balance loss, the z-loss and the load CV
+add up to those of ``C = 1``, and the experts are spread over the data-parallel x
+context-parallel ranks (the expert layout of the run's context). The capacity
+``ceil(f T k / E)`` counts this rank's tokens ``T`` (as Megatron-core's): with dropping
+(``--moe-capacity-factor > 0`` and full experts) the kept assignments differ from ``C = 1``;
+without it, and with a deterministic second expert (``--moe-second-expert-policy all``, or
+top-1, or top-k > 2), routing is that of ``C = 1`` token by token.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from torchscale_fairseq.modules.moe.balance import (
     RoutingStats,
     balance_loss,
     choice_totals,
+    micro_batch_totals,
     router_z_loss,
     routing_stats,
 )
@@ -128,13 +139,15 @@ class RecomputeMemo:
     """One checkpointed call of an :class:`MoELayer`: filled by its forward, read by its
     recomputation in backward. ``counts``: rows per expert this rank dispatched; ``table``:
     every rank's counts (the all-gather); ``totals``: the balance loss's
-    :func:`~.balance.choice_totals`; ``stats``: the routing statistics; ``scale``: the auxiliary
+    :func:`~.balance.choice_totals`; ``tokens``: the micro-batch's real tokens (the z-loss's
+    ``N``); ``stats``: the routing statistics; ``scale``: the auxiliary
     losses' scale of the forward (another micro-batch's may be set by the recomputation);
     ``exchanged``: the outputs of the two all-to-alls (``--moe-checkpoint-exchange keep``)."""
 
     counts: torch.Tensor | None = None
     table: torch.Tensor | None = None
     totals: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
     stats: RoutingStats | None = None
     scale: AuxLossScale | None = None
     exchanged: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -147,7 +160,8 @@ class MoELayer(nn.Module):
     ``tp_group``: the tensor-parallel group every expert is split over (``None``: whole
     experts, replicated on the tensor-parallel ranks); the router is replicated either way.
     ``sequence_group``: the group the input's sequence is split over in training
-    (``--sequence-parallel``; ``None``: whole sequences)."""
+    (``--sequence-parallel``; ``None``: whole sequences). ``context_group``: the context-parallel
+    group (``None``: whole sequences), over which the routing statistics are summed."""
 
     def __init__(
         self,
@@ -158,12 +172,14 @@ class MoELayer(nn.Module):
         parallel: ExpertParallel | None = None,
         tp_group: TensorParallelGroup = None,
         sequence_group: TensorParallelGroup = None,
+        context_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``spec``: the stack's dense FFN; each expert is one of width ``cfg.expert_ffn_dim``
         (0: ``spec.ffn_dim``), the shared experts one FFN ``cfg.shared_expert_count`` times as wide."""
         super().__init__()
         self.cfg = cfg
         self.sequence_group = sequence_group
+        self.context_group = context_group
         self.tag = tag
         self.parallel = parallel or ExpertParallel(cfg.expert_count, cfg.expert_count, 0)  # all experts local
         self.router = build_router(cfg.router, spec.embed_dim, cfg.expert_count, cfg.router_dim, cfg.gate_noise)
@@ -225,19 +241,26 @@ class MoELayer(nn.Module):
         real = None if padding_mask is None else ~padding_mask.reshape(-1)
         scores = self.router(tokens)
         probs, routing = self.route(scores, incremental, real)
-        group = self.parallel.data_parallel_group if self.cfg.balance_scope == "global" else None
+        num_experts = probs.size(1)
+        if replay:
+            totals, micro_tokens, stats = memo.totals, memo.tokens, memo.stats
+        else:  # the micro-batch's (over the context-parallel group), the global scope's over the layout's ranks
+            micro = micro_batch_totals(routing.first_expert, routing.load, self.context_group, real)
+            global_scope = self.cfg.balance_scope == "global" and self.cfg.router != "expert_choice"
+            totals = (choice_totals(routing.first_expert, num_experts, self.parallel.data_parallel_group, real)
+                      if global_scope else micro[:num_experts + 1])
+            micro_tokens = micro[num_experts] if self.context_group is not None else None
+            stats = routing_stats(probs, routing, micro[num_experts + 1:])
         if self.cfg.router == "expert_choice":
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
-            totals = memo.totals if replay else choice_totals(routing.first_expert, probs.size(1), group, real)
             loss = balance_loss(probs, routing.first_expert, totals=totals, real=real)
-            if memo is not None:
-                memo.totals = totals
-        stats = memo.stats if replay else routing_stats(probs, routing)
+        if memo is not None:
+            memo.totals, memo.tokens = totals, micro_tokens
         scale = memo.scale if replay else self.aux_loss_scale
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
-        aux = MoEAux(self.tag, loss, router_z_loss(scores, real), stats, scale)
+        aux = MoEAux(self.tag, loss, router_z_loss(scores, real, micro_tokens), stats, scale)
         out = self.dispatch_combine(tokens, routing, memo)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
