@@ -116,13 +116,8 @@ LM = dict(tokens_per_sample=32, attention_dropout=0.0, moe_freq=0, moe_expert_co
 @pytest.mark.parametrize("part,extra,needle", [
     ("encoder_only", {}, "splits the causal self-attention of ts_lm's decoder; the encoder only stack"),
     ("encdec_decoder", {}, "the encdec decoder stack attends bidirectionally or across"),
-<<<<<<< HEAD
-    ("decoder_only", {"moe_freq": 2, "moe_expert_count": 4}, "does not compose with MoE layers"),
-=======
-    ("decoder_only", {"pipeline_model_parallel_size": 2}, "does not compose with --pipeline-model-parallel-size"),
     ("decoder_only", {"moe_freq": 2, "moe_expert_count": 4, "moe_router": "expert_choice"},
      "splits the batch each expert of --moe-router expert_choice picks its tokens from"),
->>>>>>> i46-cpmoe
     ("decoder_only", {"xpos": True}, "does not compose with --xpos"),
     ("decoder_only", {"rel_pos_buckets": 32}, "does not compose with --rel-pos-buckets"),
     ("decoder_only", {"attention_dropout": 0.1}, "runs its ring attention without dropout"),
@@ -134,13 +129,7 @@ def test_refusals_are_one_line(part, extra, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-<<<<<<< HEAD
-@pytest.mark.parametrize("extra", [{}, {"pipeline_model_parallel_size": 2}])
+@pytest.mark.parametrize("extra", [{}, {"pipeline_model_parallel_size": 2},
+                                   {"moe_freq": 2, "moe_expert_count": 4, "moe_router": "xmoe"}])
 def test_supported_lm_passes(extra):
     check_context_parallel(Namespace(**{**LM, **extra}), "decoder_only", TWO)
-=======
-def test_supported_lm_passes():
-    check_context_parallel(Namespace(**LM), "decoder_only", TWO)
-    check_context_parallel(Namespace(**{**LM, "moe_freq": 2, "moe_expert_count": 4, "moe_router": "xmoe"}),
-                           "decoder_only", TWO)
->>>>>>> i46-cpmoe

@@ -160,15 +160,8 @@ def check_context_parallel(args: Any, part: str, parallel: ParallelContext) -> N
     refused = [
         (part != "decoder_only", f"splits the causal self-attention of ts_lm's decoder; the {part.replace('_', ' ')} "
                                  "stack attends bidirectionally or across (not split yet)"),
-<<<<<<< HEAD
-        ((getattr(args, "moe_expert_count", 0) or 0) > 0,
-         "does not compose with MoE layers yet (routing statistics and expert gradients reduce over data-parallel ranks)"),
-=======
-        ((getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
-         "does not compose with --pipeline-model-parallel-size yet (the stages' messages are sized for whole sequences)"),
         ((getattr(args, "moe_expert_count", 0) or 0) > 0 and getattr(args, "moe_router", "xmoe") == "expert_choice",
          "splits the batch each expert of --moe-router expert_choice picks its tokens from (use a token-choice router)"),
->>>>>>> i46-cpmoe
         (getattr(args, "xpos", False), "does not compose with --xpos yet (it rotates by contiguous local positions)"),
         (getattr(args, "rel_pos_buckets", 0) > 0,
          "does not compose with --rel-pos-buckets yet (the bias of every ring block would be needed)"),
