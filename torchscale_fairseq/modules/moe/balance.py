@@ -35,8 +35,8 @@ from torchscale_fairseq.modules.moe.aux_loss import AuxLossScale
 class RoutingStats:
     """Per-layer figures for the logs, as 0-d tensors (read on the host once per step, by the
     criterion): ``tokens`` routed here, expert load CV (std / mean of the assignments asked of
-    each expert), ``dropped`` assignments out of ``routed``, and the summed routing entropy
-    ``sum_t H(p_t)``."""
+    each expert in the micro-batch, the context-parallel group's), ``dropped`` assignments out of
+    ``routed``, and the summed routing entropy ``sum_t H(p_t)``."""
 
     tokens: torch.Tensor
     load_cv: torch.Tensor
