@@ -8,7 +8,8 @@ one process summing the same two batches per update, ``--update-freq 2``) within
 tensor-parallel tests' 1e-4 relative. The last block of the corpus is shorter than
 ``--tokens-per-sample``: it is padded to the ``2 C`` chunks. The flag in a single process, and
 C = 2 x PP = 2 with DDP's hooks (``--ddp-backend c10d``: the context ranks average gradients, inside
-backwards the pipeline runs out of order), are one-line errors."""
+backwards the pipeline runs out of order), and ``--sentence-avg`` under CP (each rank would count
+every sentence), are one-line errors."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def runs(tmp_path_factory) -> dict:
     }
     jobs["c2pp2_c10d"] = (lm_args(lm_bin, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                   "--ddp-backend", "c10d"), 4)
+    jobs["c2_sentence_avg"] = (lm_args(lm_bin, "--context-parallel-size", "2", "--sentence-avg"), 2)
     logs, _ = run_jobs({name: ("fairseq-train", args, world) for name, (args, world) in jobs.items()}, root,
-                       unrounded=True, must_fail=["c2pp2_c10d"])
+                       unrounded=True, must_fail=["c2pp2_c10d", "c2_sentence_avg"])
     return {"root": root, "lm_bin": lm_bin, "logs": {name: files[0] for name, files in logs.items()}}
 
 
@@ -88,3 +90,9 @@ def test_pipeline_with_ddp_hooks_is_one_line(runs):
     lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
     assert ("--ddp-backend c10d all-reduces inside every backward, which a pipeline runs out of order: use "
             "--ddp-backend legacy_ddp") in lines[-1] and "Traceback" not in text, text[-2000:]
+
+
+def test_sentence_avg_is_one_line(runs):
+    text = runs["logs"]["c2_sentence_avg"].read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    assert "--sentence-avg would count every sentence on each: drop --sentence-avg" in lines[-1], text[-2000:]

@@ -184,6 +184,12 @@ class TsTrainer(ScheduledTrainer):
                 f"--context-parallel-size {context_size} needs a multi-process run of a multiple of {context_size} "
                 f"ranks (this one has {self.parallel.world_size}): launch them with torchrun or --distributed-world-size"
             )
+        if context_size > 1 and getattr(cfg.criterion, "sentence_avg", False):
+            raise TsConfigError(
+                f"--context-parallel-size {context_size} splits each sentence over {context_size} ranks, so "
+                "--sentence-avg would count every sentence on each: drop --sentence-avg (token averages) or use "
+                "--context-parallel-size 1"
+            )
         check_foreign_flags(cfg.optimizer)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
