@@ -1,7 +1,8 @@
 """``fairseq-train ts_lm`` under ``--context-parallel-size`` (one process per rank, gloo, CPU):
 the per-update loss and gradient norm and the validation loss of C = 2, of C = 2 x TP = 2, of
 C = 2 x TP = 2 with ``--sequence-parallel`` and selective recomputation, and of C = 2 x DP = 2
-with ``--zero-sharding os``, whole-layer recomputation and learned positions, and of C = 2 x
+with ``--zero-sharding os``, whole-layer recomputation and learned positions, of C = 2 with
+``--zero-sharding full`` (FSDP2 shards over the data x context ranks), and of C = 2 x
 PP = 2 (the stages' messages are each rank's two chunks, ``(B, T / C, E)``; the first stage
 embeds them at their global positions), equal the single-process run (C = 2 x DP = 2 against
 one process summing the same two batches per update, ``--update-freq 2``) within the
@@ -54,6 +55,7 @@ def runs(tmp_path_factory) -> dict:
                           "--ddp-backend", "legacy_ddp"), 4),
         "c2dp2": (lm_args(lm_bin, *learned, "--context-parallel-size", "2", "--zero-sharding", "os",
                           "--checkpoint-activations", update_freq=1), 4),
+        "c2full": (lm_args(lm_bin, "--context-parallel-size", "2", "--zero-sharding", "full"), 2),
     }
     jobs["c2pp2_c10d"] = (lm_args(lm_bin, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                   "--ddp-backend", "c10d"), 4)
@@ -64,7 +66,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("run,reference", [("c2", "c1"), ("c2tp2", "c1"), ("c2tp2sp", "c1"),
-                                           ("c2pp2", "c1"), ("c2dp2", "c1_learned")])
+                                           ("c2pp2", "c1"), ("c2dp2", "c1_learned"), ("c2full", "c1")])
 def test_context_parallel_equals_single_process(runs, run, reference):
     ours, theirs = train_records(runs["logs"][run]), train_records(runs["logs"][reference])
     assert len(ours) == len(theirs) == UPDATES

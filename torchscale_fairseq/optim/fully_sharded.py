@@ -36,7 +36,8 @@ LAYER_STACK = "layers"  # the attribute holding a model's transformer layers (Mo
 
 
 def check_fully_sharded(cfg: Any, data_size: int, pipeline_size: int, has_experts: bool) -> None:
-    """One line, before any work, for a ``--zero-sharding full`` run it cannot serve."""
+    """One line, before any work, for a ``--zero-sharding full`` run it cannot serve. ``data_size``:
+    the ranks it shards over (data x context-parallel)."""
     if cfg.distributed_training.zero_sharding != FULL:
         return
     common = cfg.common
@@ -68,7 +69,8 @@ def check_fully_sharded(cfg: Any, data_size: int, pipeline_size: int, has_expert
 
 def data_parallel_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     """The 1-D mesh of the data-parallel ``group`` (under tensor parallelism: the ranks of the
-    other tensor-parallel groups holding this rank's part)."""
+    other tensor-parallel groups holding this rank's part; under context parallelism: the data x
+    context ranks)."""
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
