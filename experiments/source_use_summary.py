@@ -136,8 +136,8 @@ def final_table(backbones: dict[str, list[dict]], unigram: float) -> list[str]:
 
 def plot_spread_band(backbones: dict[str, list[dict]], path: Path) -> None:
     """The spread against the update per backbone: the mean over seeds, with a min-max band (log y)."""
-    fig, ax = plot_logs.new_figure("encoder spread (0 = one vector for every source), mean and min-max over seeds",
-                                   "encoder output std over tokens", log_y=True)
+    fig, ax = plot_logs.new_figure("encoder spread (mean, min-max over seeds)", "encoder output std over tokens",
+                                   log_y=True)
     for backbone, runs in backbones.items():
         points = [curve_points(run) for run in runs]
         updates = sorted({u for p in points for u in p})
