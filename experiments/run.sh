@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash experiments/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash experiments/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|nmtwarm|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -380,6 +380,68 @@ source_use_timing() {
   python experiments/source_use.py "$RUNS"/nmtcollapse_*_s1/checkpoint_[0-9]*_[0-9]*.pt --data "$NMT_DATA" \
     --max-verses 300 --init --plot "$out/encoder_spread.png" | tee "$out/source_use_timing.md"
 }
+# Section 12 in DeepNet's own warm-up regime (issue 45 item 4): the nmtdeep runs (18-18, d=64, the same data, batch,
+# label smoothing, clipping at 1.0, no dropout, seeds 1-3, Post-LN, DeepNorm, Magneto) with the paper's peak rate,
+# 5e-4 (DeepNet / TorchScale Table 3), reached after a warm-up that is most of the run: NMTWARM_WARMUP = 300 of
+# NMTWARM_UPDATES = 400 updates (75%; the paper's 4,000-6,000 updates do not fit a stage). The rate climbs 20x
+# more slowly than in the nmtdeep runs (1.7e-6 per update against 3.3e-5) and stays below the 1e-3 those runs
+# passed at update 30, when DeepNorm's encoder had collapsed. No validation during training: a checkpoint every
+# NMTWARM_SAVE_EVERY updates, measured after training by source_use.py (encoder spread, at init too, and the
+# shuffled-source ppl; the first 300 validation verses), the last one on the whole validation split (the
+# stall criterion: >= 415.6, 10% below the target unigram's 461.8). Run with JOBS=9: the nine runs train side by
+# side, so that a stage cut short leaves every run near the same update (the schedule does not depend on the
+# budget, so a run's first N updates are those of a run of N).
+NMTWARM_LR="${NMTWARM_LR:-5e-4}"
+NMTWARM_WARMUP="${NMTWARM_WARMUP:-300}"
+NMTWARM_UPDATES="${NMTWARM_UPDATES:-400}"
+NMTWARM_SAVE_EVERY="${NMTWARM_SAVE_EVERY:-50}"
+NMTWARM_BACKBONES=(deepnorm postln magneto)
+nmtwarm_name() {  # BACKBONE SEED
+  echo "nmtwarm_$1_L${NMTDEEP_LAYERS}_lr${NMTWARM_LR}_w${NMTWARM_WARMUP}_u${NMTWARM_UPDATES}_s$2"
+}
+nmtwarm_run() {  # BACKBONE SEED: one training (a finished one is not run again: fairseq-train would add an update)
+  local name
+  name="$(nmtwarm_name "$1" "$2")"
+  grep -qs "done training" "$RUNS/$name/train.log" && { echo "$name trained before"; return 0; }
+  run "$name" nmt/train_dense.sh BACKBONE="$1" LAYERS="$NMTDEEP_LAYERS" LR="$NMTWARM_LR" SEED="$2" \
+    "${NMTDEEP_ARGS[@]}" WARMUP="$NMTWARM_WARMUP" MAX_UPDATE="$NMTWARM_UPDATES" \
+    EXTRA_ARGS="--save-interval-updates $NMTWARM_SAVE_EVERY --disable-validation"
+}
+nmtwarm() {
+  local b s
+  for s in "${SEEDS[@]}"; do for b in "${NMTWARM_BACKBONES[@]}"; do sched nmtwarm_run "$b" "$s"; done; done
+  wait
+  nmtwarm_report
+}
+# The report measures each run's checkpoints up to update NMTWARM_MEASURE_UPTO (default: the budget; lower when a
+# stage is cut short: every run then reports the same updates).
+NMTWARM_MEASURE_UPTO="${NMTWARM_MEASURE_UPTO:-$NMTWARM_UPDATES}"
+nmtwarm_measure() {  # NAME: into the run's source_use.jsonl, source_use.py rows of its checkpoints up to update
+  # NMTWARM_MEASURE_UPTO on the first 300 validation verses (with the spread at init), and of the one at that update
+  # on the whole validation split
+  local dir="$RUNS/$1" last="$RUNS/$1/checkpoint_1_$NMTWARM_MEASURE_UPTO.pt" ckpts=() c u
+  rm -f "$dir/source_use.jsonl"
+  [ -f "$last" ] || { echo "$1: no checkpoint at update $NMTWARM_MEASURE_UPTO ($last); not measured"; return 1; }
+  for c in "$dir"/checkpoint_1_[0-9]*.pt; do
+    u="${c##*_}"
+    [ "${u%.pt}" -le "$NMTWARM_MEASURE_UPTO" ] && ckpts+=("$c")
+  done
+  python experiments/source_use.py "${ckpts[@]}" --data "$NMT_DATA" --max-verses 300 --init \
+    --records "$dir/source_use.jsonl" > "$RUNS/$1.source_use.out" 2>&1 &&
+    python experiments/source_use.py "$last" --data "$NMT_DATA" --records "$dir/source_use.jsonl" \
+      >> "$RUNS/$1.source_use.out" 2>&1
+  echo "$1 measured to update $NMTWARM_MEASURE_UPTO: exit $? $(date -u +%H:%M:%S)"
+}
+nmtwarm_report() {  # the runs' rows in docs/results/nmtdeep/warmup/runs.jsonl, the table and plot computed from it
+  local out="$RESULTS/nmtdeep/warmup" b s names=()
+  mkdir -p "$out"
+  for s in "${SEEDS[@]}"; do for b in "${NMTWARM_BACKBONES[@]}"; do names+=("$(nmtwarm_name "$b" "$s")"); done; done
+  for s in "${names[@]}"; do sched nmtwarm_measure "$s"; done
+  wait
+  for s in "${names[@]}"; do cat "$RUNS/$s/source_use.jsonl" 2>/dev/null; done > "$out/runs.jsonl"
+  python experiments/source_use_summary.py "$out/runs.jsonl" --unigram 461.8 --plot "$out/encoder_spread.png" \
+    | tee "$out/table.md"
+}
 nmtdeep_plots() {  # the 3-seed table and curves of docs/results.md section 12 at NMTDEEP_UPDATES (agg_plots)
   local out="$RESULTS/nmtdeep/u$NMTDEEP_UPDATES"
   mkdir -p "$out"
@@ -502,6 +564,10 @@ case "${1:-all}" in
   nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
   nmtlong) nmtlong "${2:-}" ;;
   nmtdeep_plots) nmtdeep_plots ;;
+  nmtwarm) nmtwarm ;;
+  nmtwarm_run) nmtwarm_run "$2" "$3"; wait ;;
+  nmtwarm_measure) nmtwarm_measure "$2" ;;
+  nmtwarm_report) nmtwarm_report ;;
   source_use) source_use ;;
   source_use_timing) source_use_timing ;;
   routing) routing ;;
@@ -516,6 +582,6 @@ case "${1:-all}" in
   clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; nmtwarm; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|nmtwarm|nmtwarm_run BACKBONE SEED|nmtwarm_measure RUN_NAME|nmtwarm_report|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

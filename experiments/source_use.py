@@ -1,7 +1,7 @@
 """Does a translation model read its source? (docs/results.md section 12, issue 25 item 2)
 
     python experiments/source_use.py RUN_DIR_OR_CHECKPOINT... --data DATA [--subset valid] [--max-verses N]
-        [--shuffle-seed 0] [--init] [--plot spread.png]
+        [--shuffle-seed 0] [--init] [--plot spread.png] [--records rows.jsonl]
 
 Per checkpoint (a run directory stands for its ``checkpoint_last.pt``), on the first ``--max-verses`` pairs of
 the split (all by default), in eval mode:
@@ -16,6 +16,8 @@ the split (all by default), in eval mode:
 - ``--init``: the spread of a model built from the run's configuration with its seed, before training.
 
 Prints one markdown row per checkpoint (name, update, ppl, ppl shuffled, their ratio, spread [at init]).
+``--records``: the same rows appended to a JSON-lines file, each with the run's backbone, seed and peak learning
+rate and the number of verses measured (``experiments/source_use_summary.py`` reads them).
 ``--plot``: the spread against the update, one line per training, for checkpoints saved along it (runs
 named ``..._u<budget>_s<seed>`` that differ only in the budget are one training: the schedule does not depend on it).
 """
@@ -23,6 +25,7 @@ named ``..._u<budget>_s<seed>`` that differ only in the budget are one training:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
@@ -93,8 +96,8 @@ def measure(path: Path, data: str | None, subset: str, max_verses: int | None, s
     shuffled = list(range(count))
     random.Random(shuffle_seed).shuffle(shuffled)
     row = {
-        "run": ckpt.parent.name, "checkpoint": ckpt.name,
-        "update": state["optimizer_history"][-1]["num_updates"],
+        "run": ckpt.parent.name, "checkpoint": ckpt.name, "backbone": cfg.model.backbone, "seed": cfg.common.seed,
+        "lr": cfg.optimization.lr[0], "update": state["optimizer_history"][-1]["num_updates"], "verses": count,
         "ppl": perplexity(model, dataset, range(count), task.target_dictionary.pad()),
         "ppl_shuffled": perplexity(model, dataset, shuffled, task.target_dictionary.pad()),
         "spread": encoder_spread(model, dataset, count),
@@ -143,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--shuffle-seed", type=int, default=0)
     p.add_argument("--init", action="store_true", help="also the encoder spread of the run's model at initialisation")
     p.add_argument("--plot", type=Path, help="the spread against the update, one line per run")
+    p.add_argument("--records", type=Path, help="append each row to this JSON-lines file")
     args = p.parse_args(argv)
     if args.max_verses is not None and args.max_verses < 2:
         p.error(f"--max-verses must be at least 2 (a spread and a shuffle need two verses), got {args.max_verses}")
@@ -153,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for path in sorted(args.paths, key=natural_order):
         row = measure(path, args.data, args.subset, args.max_verses, args.shuffle_seed, args.init)
         rows.append(row)
+        if args.records:
+            with args.records.open("a") as f:
+                f.write(json.dumps(row) + "\n")
         print(f"| {row['run']} | {row['checkpoint']} | {row['update']} | {row['ppl']:.2f} | {row['ppl_shuffled']:.2f} | "
               f"{row['ppl_shuffled'] / row['ppl']:.3f} | {row['spread']:.5f} |"
               + (f" {row['spread_init']:.5f} |" if args.init else ""), flush=True)

@@ -4,6 +4,7 @@ verse without padding; its spread at initialisation is that of fairseq-train's i
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -70,11 +71,17 @@ def test_encoder_spread_is_the_unpadded_std(trained: Path, mt_data: Path) -> Non
 def test_spread_at_init_is_fairseq_trains_initial_model(mt_data: Path, tmp_path: Path, capsys) -> None:
     # lr 0 for the one update: the checkpoint holds the model fairseq-train built, unchanged
     run([tool("fairseq-train"), str(mt_data), "--user-dir", USER_DIR, "--save-dir", str(tmp_path / "init"),
-         *MT_TRAIN, *TINY, "--lr", "0", "--lr-scheduler", "fixed", "--max-update", "1", "--seed", "3"])
-    source_use.main([str(tmp_path / "init"), "--init", "--max-verses", "30"])
+         *MT_TRAIN, *TINY, "--lr", "0", "--lr-scheduler", "fixed", "--max-update", "1", "--seed", "3",
+         "--backbone", "deepnorm"])
+    records = tmp_path / "rows.jsonl"
+    source_use.main([str(tmp_path / "init"), "--init", "--max-verses", "30", "--records", str(records)])
     row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
     assert row[0] == "init" and row[2] == "1"
     assert row[-1] == row[-2]  # spread at init == spread of the untrained checkpoint (5 decimals)
+    (record,) = [json.loads(line) for line in records.read_text().splitlines()]
+    assert {k: record[k] for k in ("run", "backbone", "seed", "lr", "update", "verses")} == {
+        "run": "init", "backbone": "deepnorm", "seed": 3, "lr": 0.0, "update": 1, "verses": 30}
+    assert [f"{record[k]:.5f}" for k in ("spread", "spread_init")] == row[-2:]
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys) -> None:
