@@ -51,7 +51,7 @@ CELLS = [
     Cell("newest", "newest", "newest", "newest"),
 ]
 
-SUMMARY = re.compile(r"=+ (?P<body>.*\d+ (?:passed|failed|errors?).*) in (?P<seconds>[0-9.]+)s")
+SUMMARY = re.compile(r"^(?:=+ )?(?P<body>.*\d+ (?:passed|failed|errors?).*) in (?P<seconds>[0-9.]+)s")
 
 
 def pytest_counts(log: str) -> dict[str, int | float]:

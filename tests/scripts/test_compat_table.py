@@ -43,6 +43,8 @@ def test_readme_table_equals_the_matrix_file():
      {"passed": 812, "failed": 0, "errors": 0, "deselected": 136, "pytest_seconds": 788.12}),
     ("==== 2 failed, 810 passed, 136 deselected, 1 error in 790.00s (0:13:10) ====",
      {"passed": 810, "failed": 2, "errors": 1, "deselected": 136, "pytest_seconds": 790.0}),
+    ("1090 passed in 2578.18s (0:42:58)",  # pytest -q under xdist: no rule of '='
+     {"passed": 1090, "failed": 0, "errors": 0, "deselected": 0, "pytest_seconds": 2578.18}),
 ])
 def test_pytest_counts_read_the_last_summary(summary, counts):
     log = "collected 948 items\n===== 1 passed in 0.1s =====\n..F.\n" + summary + "\n"
