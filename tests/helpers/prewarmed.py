@@ -2,7 +2,8 @@
 fairseq (about 6 of a fairseq console tool's 7 s of start-up on the 2-core machine, hundreds of
 times per suite run).
 
-A server process (this file run as a script) imports ``torch`` and ``fairseq`` once and waits
+A server process (this file run as a script) imports ``torch`` (with ``torch._dynamo``, which every
+optimizer's construction imports) and ``fairseq`` once and waits
 on a Unix socket; :func:`popen` sends it a command line, an environment, a directory and three
 file descriptors (``SCM_RIGHTS``), and the server forks a child that becomes that process: its
 descriptors 0-2, environment, directory, ``sys.path`` (``PYTHONPATH`` first, as at start-up),
@@ -95,6 +96,7 @@ def _become(request: dict, fds: list[int]) -> None:
 def _serve(path: str) -> None:
     import fairseq  # noqa: F401  (the point: imported once, here)
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (imported by the first torch.optim.Optimizer a process builds)
 
     base_path = sys.path[1:]
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

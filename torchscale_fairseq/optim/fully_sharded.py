@@ -20,16 +20,21 @@ takes each rank's shard of a full tensor without communication (:func:`accept_fu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes
+from torchscale_fairseq.model_parallel.grads import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported by the functions that build
+# sharded state: importing them is most of the plugin's start-up, which runs without them.
 
 FULL = "full"
 LAYER_STACK = "layers"  # the attribute holding a model's transformer layers (ModuleList or ModuleDict)
@@ -71,11 +76,15 @@ def data_parallel_mesh(group: dist.ProcessGroup, device: torch.device) -> Device
     """The 1-D mesh of the data-parallel ``group`` (under tensor parallelism: the ranks of the
     other tensor-parallel groups holding this rank's part; under context parallelism: the data x
     context ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
 def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction under ``--bf16``; fp32 otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -95,6 +104,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, policy: MixedPrecision
     """``fully_shard`` every transformer layer, then the root, over ``mesh`` (in place; returns
     ``model``). The new sharded parameters carry the parallel attributes of the ones they
     replace (tensor-parallel split, sequence-parallel tag), and the model loads full state dicts."""
+    from torch.distributed.fsdp import fully_shard
+
     before = dict(model.named_parameters())
     for layer in _layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -109,15 +120,17 @@ def accept_full_state(module: torch.nn.Module, state_dict: dict, prefix: str, *a
     """A load_state_dict pre-hook: full tensors for sharded parameters become this rank's shard
     (``distribute_tensor`` with ``src_data_rank=None``: every rank holds the full tensor, no
     communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
     for name, param in module.named_parameters(prefix=prefix, remove_duplicate=False):
         value = state_dict.get(name)
-        if isinstance(param, DTensor) and value is not None and not isinstance(value, DTensor):
+        if is_dtensor(param) and value is not None and not is_dtensor(value):
             state_dict[name] = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
                                                  param.placements, src_data_rank=None)
 
 
 def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,7 +139,7 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     state = {}
     for key, value in model.state_dict().items():
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             if id(value) not in gathered:
                 gathered[id(value)] = value.full_tensor()
             value = gathered[id(value)]
@@ -143,10 +156,12 @@ def full_optimizer_state(state_dict: dict) -> dict:
 def shard_loaded_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """After ``optimizer.load_state_dict`` of a full state dict: each moment becomes this rank's
     shard of it, placed as its parameter (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
     for param, fields in optimizer.state.items():
-        if not isinstance(param, DTensor):
+        if not is_dtensor(param):
             continue
         for key, value in fields.items():
-            if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape:
+            if torch.is_tensor(value) and not is_dtensor(value) and value.shape == param.shape:
                 fields[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                                                 src_data_rank=None)

@@ -35,7 +35,6 @@ from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.attributes import (
@@ -45,6 +44,7 @@ from torchscale_fairseq.model_parallel.attributes import (
     pipeline_tied_role,
     sharded_dim,
 )
+from torchscale_fairseq.model_parallel.grads import is_dtensor, local_shard
 from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
 from torchscale_fairseq.model_parallel.process_groups import group_size
 
@@ -102,8 +102,8 @@ def squared_norm_parts(params: Iterable[torch.Tensor], parallel: ParallelContext
             continue
         if is_expert(p):
             experts.setdefault((expert_parallel_size(p), sharded_dim(p) is not None), []).append(p.grad)
-        elif isinstance(p.grad, DTensor):
-            dp_sharded[sharded_dim(p) is None].append(p.grad.to_local())
+        elif is_dtensor(p.grad):
+            dp_sharded[sharded_dim(p) is None].append(local_shard(p.grad))
         elif sharded_dim(p) is not None:
             sharded.append(p.grad)
         else:
@@ -159,17 +159,12 @@ def norm_and_clip_(
     return norm, total
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor gradient (a view: scaling it scales the DTensor)."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:
     """``g <- xi / max(xi, ||g||) * g`` for every gradient; True when clipping fired."""
     if max_norm <= 0 or not torch.isfinite(total_norm) or total_norm <= max_norm:
         return False
     coef = max_norm / (float(total_norm) + 1e-6)
-    grads = [_local(p.grad.detach()) for p in params if p is not None and p.grad is not None]
+    grads = [local_shard(p.grad.detach()) for p in params if p is not None and p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef)
     return True
