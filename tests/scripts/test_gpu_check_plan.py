@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu" / "run_gpu_check.sh"
 STAGE_1 = ("cpu-smoke", "pytest-gpu", "bench-moe", "bench-moe-compile")
@@ -48,11 +46,14 @@ def write_stage(results: Path, stage: int, statuses: dict[str, str]) -> None:
 
 
 def test_next_resumes_where_the_results_stop(tmp_path):
+    """Without CUDA, then on a GPU (the script's ``python3`` a stand-in whose torch says which: the
+    plan alone is under test, and importing the real torch once per call is most of its time)."""
     results = tmp_path / "results"
     results.mkdir()
+    no_cuda, cuda = fake_python(tmp_path / "cpu", cuda=False), fake_python(tmp_path / "gpu", cuda=True)
 
-    def next_stage() -> str:
-        proc = check("--next", GPU_CHECK_RESULTS=str(results))
+    def next_stage(python: Path = no_cuda) -> str:
+        proc = check("--next", GPU_CHECK_RESULTS=str(results), PYTHON=str(python))
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
@@ -60,26 +61,24 @@ def test_next_resumes_where_the_results_stop(tmp_path):
     write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": "SKIPPED (stage budget spent)",
                              "bench-moe-compile": "ok"})
     assert next_stage() == "1"
-    no_cuda = "ok" if torch.cuda.is_available() else "no CUDA"
-    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": no_cuda,
-                             "bench-moe-compile": no_cuda})
+    write_stage(results, 1, {"cpu-smoke": "ok", "pytest-gpu": "FAILED (exit 1)", "bench-moe": "no CUDA",
+                             "bench-moe-compile": "no CUDA"})
     assert next_stage() == "2"
     write_stage(results, 2, {"pytest-gpu-training": "TIMEOUT after 360s", "bench-generation": "ok"})
     write_stage(results, 3, {"bench-speed": "not run (install failed)"})
     assert next_stage() == "3"
     write_stage(results, 3, {"bench-speed": "ok"})
     assert next_stage() == "none"
-    if not torch.cuda.is_available():  # what ran without CUDA is to do again where there is CUDA
-        write_stage(results, 1, dict.fromkeys(STAGE_1, "no CUDA"))
-        proc = check("--next", GPU_CHECK_RESULTS=str(results), PYTHON=str(fake_cuda_python(tmp_path)))
-        assert proc.stdout.strip() == "1"
+    assert next_stage(cuda) == "1"  # what ran without CUDA is to do again where there is CUDA
+    write_stage(results, 1, dict.fromkeys(STAGE_1, "ok"))
+    assert next_stage(cuda) == "none"
 
 
-def fake_cuda_python(tmp_path: Path) -> Path:
-    """A ``python3`` for the script whose torch says CUDA is available."""
+def fake_python(tmp_path: Path, cuda: bool) -> Path:
+    """A ``python3`` for the script whose torch says whether CUDA is available."""
     fake = tmp_path / "fake_torch"
     (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text("class cuda:\n    is_available = staticmethod(lambda: True)\n")
+    (fake / "torch" / "__init__.py").write_text(f"class cuda:\n    is_available = staticmethod(lambda: {cuda})\n")
     exe = tmp_path / "python3"
     exe.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
     exe.chmod(0o755)
