@@ -17,7 +17,8 @@ process with the same ``--update-freq`` (the pipeline's micro-batches), dropout 
   load CVs, the drop fraction and SparseClip's dense and expert norms;
 - a 4-layer ``ts_mlm`` (``masked_lm``; the encoder split, the BERT head and the embedding's copy
   on the last stage) at P = 2, and at P = 2 x TP = 2 with ``--sequence-parallel``;
-- what a pipelined run cannot honour is a one-line error on every rank before any step.
+- what a pipelined run cannot honour is a one-line error on every rank before any step (one run
+  per place that checks; the other checks called in this process).
 
 Checkpoints (each stage its own ``-stage<p>`` file, layers named by global index), against the
 one-process runs' own checkpoints and logs:
@@ -37,13 +38,17 @@ one-process runs' own checkpoints and logs:
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.helpers.mp_helpers import assert_replicated_across_parts, make_corpora, relative_close, run_jobs, train_records
 from torchscale_fairseq.cli import consolidate_experts, reshard
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.integration.pipeline_step import check_pipeline_run
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
+from torchscale_fairseq.model_parallel.pipeline_parallel import stage_layer_counts
 
 UPDATES = 4
 REL = 1e-5
@@ -92,14 +97,10 @@ RUNS = {  # name: (update-freq, world, flags, reference)
     "mlm_pp2": (4, 2, PP2, "mlm_one"),
     "mlm_pp2_tp2_sp": (4, 4, (*PP2, "--model-parallel-size", "2", "--sequence-parallel"), "mlm_one"),
 }
-ERRORS = {  # name: (world, flags, expected error)
+ERRORS = {  # name: (world, flags, expected error); one through fairseq-train per place that checks
     "pipeline_larger_than_world": (2, ("--pipeline-model-parallel-size", "3"), "pipeline-parallel size 3 does not divide"),
-    "uneven_without_split": (2, (*PP2, "--decoder-layers", "3"), "do not split evenly into 2 pipeline stage(s)"),
     "bad_split": (2, (*PP2, "--pipeline-layers", "2,1"), "at least one layer each, 4 layers in all"),
     "update_freq_below_stages": (2, (*PP2, "--update-freq", "1"), "fewer micro-batches than the 2 pipeline stages"),
-    "interleaved_update_freq": (2, (*PP2, "--virtual-pipeline-stages", "2", "--update-freq", "3"),
-                                "use an --update-freq that is a multiple of it"),
-    "c10d_with_data_parallel": (4, (*PP2, "--ddp-backend", "c10d"), "use --ddp-backend legacy_ddp"),
     "rel_pos": (2, (*PP2, "--rel-pos-buckets", "32"), "--rel-pos-buckets is not pipeline-parallel yet"),
 }
 
@@ -151,6 +152,28 @@ def test_pipeline_bad_inputs_are_one_line_errors(runs, name):
         lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
         assert expected in lines[-1] and "Traceback" not in text, text[-2000:]
     assert not (runs["root"] / "save").exists() or not any((runs["root"] / "save").iterdir())
+
+
+def _pipeline_cfg(update_freq: int, virtual_stages: int = 1, backend: str = "legacy_ddp") -> SimpleNamespace:
+    """The fields of fairseq's config that :func:`check_pipeline_run` reads."""
+    return SimpleNamespace(distributed_training=SimpleNamespace(ddp_backend=backend), ema=SimpleNamespace(store_ema=False),
+                           model=SimpleNamespace(virtual_pipeline_stages=virtual_stages, pipeline_schedule="1f1b"),
+                           optimization=SimpleNamespace(update_freq=[update_freq]))
+
+
+@pytest.mark.parametrize("check, expected", [
+    (lambda: stage_layer_counts(3, 2), "do not split evenly into 2 pipeline stage(s)"),
+    (lambda: check_pipeline_run(_pipeline_cfg(3, virtual_stages=2), 1, 2),
+     "use an --update-freq that is a multiple of it"),
+    (lambda: check_pipeline_run(_pipeline_cfg(4, backend="c10d"), 2, 2), "use --ddp-backend legacy_ddp"),
+])
+def test_pipeline_bad_inputs_checked_in_process_are_one_line_errors(check, expected):
+    """The checks of ``test_pipeline_bad_inputs_are_one_line_errors``'s runs (the model split at
+    ``--decoder-layers 3``; the trainer's, on an interleaved and a data-parallel pipeline),
+    called as fairseq-train calls them."""
+    with pytest.raises(TsConfigError) as error:
+        check()
+    assert expected in str(error.value) and "\n" not in str(error.value)
 
 
 # checkpoints ---------------------------------------------------------------------------------

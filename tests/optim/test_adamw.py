@@ -214,9 +214,10 @@ SPARSE_CLIP = ["--optimizer", "sparse_clip", "--clip-norm", "0.5", "--sparse-cli
 
 def _train_args(data: Path, save: Path, *flags: str, updates: int = UPDATES) -> list[str]:
     """``fairseq-train``'s arguments for the tiny LM (``LM_TRAIN``, whose ``--optimizer adam``
-    ``flags`` override), saving its last checkpoint in ``save``."""
-    return [str(data), "--user-dir", str(USER_DIR), *LM_TRAIN, *TINY, "--max-update", str(updates), "--save-dir",
-            str(save), *flags]
+    ``flags`` override), saving in ``save``: 16 sequences an update as two batches of 8
+    (``--update-freq 2``), what two data-parallel ranks of 8 see (``test_zero_sharding_...``)."""
+    return [str(data), "--user-dir", str(USER_DIR), *LM_TRAIN, *TINY, "--batch-size", "8", "--update-freq", "2",
+            "--max-update", str(updates), "--save-dir", str(save), *flags]
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -225,30 +226,31 @@ def _losses(log: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(lm_data, tmp_path_factory) -> dict:
-    """Every single-process run of this module (two at a time), logs in ``root/NAME.log``:
-    ``adam`` and ``ts_adamw`` in each mode, inside SparseClip, the first half of a run to
-    resume, and a refused one; then the resumed second half."""
+    """Every single-process run of this module (two at a time), logs in ``root/NAME.log``,
+    checkpoints in ``root/NAME``: ``adam`` and ``ts_adamw`` in each mode (``ts_adamw`` in the
+    ``RESUMED`` modes also saving at update 2), inside SparseClip, and a refused one; then the
+    ``RESUMED`` runs, from those update-2 checkpoints."""
     root = tmp_path_factory.mktemp("adamw")
     runs = {f"{opt}_{mode}": ["--optimizer", opt, *flags] for mode, flags in MODES.items()
             for opt in ("adam", "ts_adamw")}
+    for mode in RESUMED:
+        runs[f"ts_adamw_{mode}"] += ["--save-interval-updates", "2"]
     runs.update({"sparse_clip_adam": [*SPARSE_CLIP, "adam"],
                  "sparse_clip_ts_adamw": [*SPARSE_CLIP, "ts_adamw", "--adamw-impl", "foreach"],
-                 **{f"resumed_{mode}": ["--optimizer", "ts_adamw", *MODES[mode]] for mode in RESUMED},
                  "memory_efficient_fp16": ["--optimizer", "ts_adamw", "--memory-efficient-fp16"]})
+    runs.update({f"resumed_{mode}": ["--optimizer", "ts_adamw", *MODES[mode], "--restore-file",
+                                     str(root / f"ts_adamw_{mode}" / "checkpoint_1_2.pt")] for mode in RESUMED})
 
-    def start(names: list[str], updates: dict) -> None:
-        procs = run_many([[sys.executable, str(UNROUNDED), "fairseq-train",
-                           *_train_args(lm_data, root / name, *runs[name], updates=updates.get(name, UPDATES))]
+    def start(names: list[str]) -> None:
+        procs = run_many([[sys.executable, str(UNROUNDED), "fairseq-train", *_train_args(lm_data, root / name, *runs[name])]
                           for name in names], check=False)
         for name, proc in zip(names, procs):
             (root / f"{name}.log").write_text(proc.stdout + proc.stderr)
             assert proc.returncode == (2 if name == "memory_efficient_fp16" else 0), proc.stderr[-3000:]
 
     resumed = [f"resumed_{mode}" for mode in RESUMED]
-    start(list(runs), {name: 2 for name in resumed})
-    for name in resumed:
-        (root / f"{name}.log").rename(root / f"{name}_first_half.log")
-    start(resumed, {})
+    start([name for name in runs if name not in resumed])
+    start(resumed)
     return {"root": root}
 
 
@@ -273,13 +275,13 @@ def test_inside_sparse_clip(runs):
 
 @pytest.mark.parametrize("mode", RESUMED)
 def test_resume_continues_as_the_uninterrupted_run(runs, mode):
-    """Stopped after update 2, resumed from its checkpoint: updates 3 and 4 as the run of 4.
+    """Restarted from the update-2 checkpoint of the run of 4: its updates 3 and 4.
     ``--memory-efficient-bf16``: the checkpoint holds the bfloat16 moments as fp32 (fairseq's
     ``move_to_cpu``), loading casts them back (fairseq's restore of the saved dtypes is off)."""
-    first, second = runs["root"] / f"resumed_{mode}_first_half.log", runs["root"] / f"resumed_{mode}.log"
-    assert sorted(_losses(first)) == [1, 2]
-    assert "Loaded checkpoint" in second.read_text() and sorted(_losses(second)) == [3, 4]
-    assert {**_losses(first), **_losses(second)} == _losses(runs["root"] / f"ts_adamw_{mode}.log")
+    uninterrupted, second = _losses(runs["root"] / f"ts_adamw_{mode}.log"), runs["root"] / f"resumed_{mode}.log"
+    assert "Loaded checkpoint" in second.read_text() and "@ 2 updates" in second.read_text()
+    assert sorted(_losses(second)) == [3, 4] and sorted(uninterrupted) == [1, 2, 3, 4]
+    assert _losses(second) == {u: uninterrupted[u] for u in (3, 4)}
 
 
 def test_memory_efficient_fp16_is_refused_in_one_line(runs):
@@ -290,21 +292,26 @@ def test_memory_efficient_fp16_is_refused_in_one_line(runs):
     assert "Traceback" not in "\n".join(lines)
 
 
-def test_zero_sharding_equals_unsharded(lm_data, tmp_path):
-    """Two data-parallel ranks, with and without ``--zero-sharding os``: the same losses as
-    logged, and each sharded rank holds moments for part of the parameters."""
-    zero_cli = WORKERS / "zero_cli.py"
-    runs = {}
-    for name, flags in (("ref", []), ("zero", ["--zero-sharding", "os"])):
-        url = rendezvous_url(tmp_path / name)
-        args = _train_args(lm_data, tmp_path / name / "save", "--optimizer", "ts_adamw", "--batch-size", "8",
-                           "--no-save", *flags)
-        logs = [tmp_path / name / f"{rank}.log" for rank in range(2)]
-        runs[name] = ([launch([sys.executable, str(zero_cli), "0", *args, *dist_flags(2, rank, url)], log)
-                       for rank, log in enumerate(logs)], logs)
-    for procs, logs in runs.values():
-        wait_all(procs, logs)
-    assert _losses(runs["zero"][1][0]) == _losses(runs["ref"][1][0]) and len(_losses(runs["ref"][1][0])) == UPDATES
+def _moment_numel(state: dict) -> int:
+    """Elements of an optimizer state's tensors of rank >= 1 (Adam's two moments)."""
+    return sum(v.numel() for fields in state.values() for v in fields.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def test_zero_sharding_equals_unsharded(runs, lm_data, tmp_path):
+    """Two data-parallel ranks of 8 sequences with ``--zero-sharding os`` against the one
+    process accumulating the same two batches (``ts_adamw_fp32``): the same losses as logged,
+    and each rank holds moments for part of the parameters, together all of them (the
+    unsharded run's checkpoint)."""
+    url = rendezvous_url(tmp_path)
+    args = _train_args(lm_data, tmp_path / "save", "--optimizer", "ts_adamw", "--update-freq", "1", "--no-save",
+                       "--zero-sharding", "os")
+    logs = [tmp_path / f"{rank}.log" for rank in range(2)]
+    wait_all([launch([sys.executable, str(WORKERS / "zero_cli.py"), "0", *args, *dist_flags(2, rank, url)], log)
+              for rank, log in enumerate(logs)], logs)
+    ref = _losses(runs["root"] / "ts_adamw_fp32.log")
+    assert _losses(logs[0]) == ref and len(ref) == UPDATES
     dense = [json.loads([line for line in log.read_text().splitlines() if line.startswith("optimizer-state ")][-1]
-                        .split(" ", 1)[1])["dense"] for log in [*runs["zero"][1], runs["ref"][1][0]]]
-    assert dense[0] + dense[1] == dense[2] and 0 < dense[0] < dense[2]
+                        .split(" ", 1)[1])["dense"] for log in logs]
+    saved = torch.load(runs["root"] / "ts_adamw_fp32" / "checkpoint_last.pt", weights_only=True)
+    total = _moment_numel(saved["last_optimizer_state"]["state"])
+    assert dense[0] + dense[1] == total and 0 < dense[0] < total
