@@ -1,11 +1,11 @@
 """One rank of the activation-checkpointing checks (run by ``test_moe_checkpointing.py``).
 
-``python -m tests.workers.ckpt_worker RANK WORLD TP INIT_METHOD OUT``: on ``WORLD`` gloo ranks with
-tensor-parallel size ``TP`` (``TP = 1``: the MoE experts are spread over the 2 data-parallel
-ranks, tokens cross ranks by all-to-all), every model of :data:`MODELS` takes one training
+``python -m tests.workers.ckpt_worker RANK WORLD INIT_METHOD OUT TP[,TP...]``: on ``WORLD`` gloo ranks,
+for each tensor-parallel size ``TP`` in turn (``TP = 1``: the MoE experts are spread over the 2
+data-parallel ranks, tokens cross ranks by all-to-all), every model of :data:`MODELS` takes one training
 step (criterion forward, backward) twice from the same seed, without and with
 ``--checkpoint-activations``, dropout and attention dropout on. The reference is the run
-without checkpointing. Each rank writes to ``OUT.RANK.json``: whether loss, logged figures
+without checkpointing. Each rank writes to ``OUT.tpTP.RANK.json``: whether loss, logged figures
 and every gradient are bitwise equal, the largest difference otherwise, what the criterion
 saw (model calls, MoE entries) and the collectives of the step in the forward pass and
 in the backward pass (which runs the recomputation).
@@ -121,23 +121,24 @@ def count(log: list, what: str) -> dict[str, int]:
 
 
 def main() -> None:
-    rank, world, tp, init_method, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    rank, world, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    set_parallel_context(build_parallel_context(tp))
     dictionary = model_utils.dictionary(40)
-    results: dict = {"moe_layers": 2}
-    for name in MODELS:
-        off, on = step(name, False, tp, dictionary), step(name, True, tp, dictionary)
-        results[name] = compare(off, on)
-        for key, run in (("off", off), ("on", on)):
-            results[name][key] = {
-                "model_calls": run["model_calls"], "moe_entries": run["moe_entries"],
-                "routed_tokens": run["routed_tokens"],
-                **{op: count(run["collectives"], op) for op in ("all_to_all_single", "all_gather", "all_reduce")},
-            }
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(results, f, indent=1)
+    for tp in map(int, sys.argv[5].split(",")):
+        set_parallel_context(build_parallel_context(tp))
+        results: dict = {"moe_layers": 2}
+        for name in MODELS:
+            off, on = step(name, False, tp, dictionary), step(name, True, tp, dictionary)
+            results[name] = compare(off, on)
+            for key, run in (("off", off), ("on", on)):
+                results[name][key] = {
+                    "model_calls": run["model_calls"], "moe_entries": run["moe_entries"],
+                    "routed_tokens": run["routed_tokens"],
+                    **{op: count(run["collectives"], op) for op in ("all_to_all_single", "all_gather", "all_reduce")},
+                }
+        with open(f"{out}.tp{tp}.{rank}.json", "w") as f:
+            json.dump(results, f, indent=1)
     leave_process_group()
 
 

@@ -29,6 +29,14 @@ def _build(data, criterion: str, *extra: str):
     return task, task.build_model(cfg.model), task.build_criterion(cfg.criterion)
 
 
+@pytest.fixture(scope="module")
+def moe_lm(lm_data):
+    """Two MoE layers (4 experts each) under ``moe_cross_entropy`` with both terms weighted, built
+    once for the tests that only run it (``--moe-gate-loss-wt 0.05 --moe-z-loss-wt 0.002``)."""
+    return _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
+                  "--moe-gate-loss-wt", "0.05", "--moe-z-loss-wt", "0.002")
+
+
 def _sample(task) -> dict:
     d = task.target_dictionary
     return sample_of(torch.randint(d.pad() + 1, len(d), (4, 17), generator=torch.Generator().manual_seed(3)))
@@ -45,13 +53,12 @@ def _grads(model) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss_scale,ignored", [(1.0, False), (128.0, False), (128.0, True)])
-def test_gradients_equal_the_loss_with_the_moe_terms(lm_data, loss_scale, ignored):
+def test_gradients_equal_the_loss_with_the_moe_terms(moe_lm, loss_scale, ignored):
     """``loss_scale * d/dtheta (base + w S sum_l L_l + w_z S sum_l Z_l)`` written out on one forward
     (cross-entropy by hand, the layers' losses added) equals the gradient of the criterion's returned
     (base) loss times ``loss_scale`` with the layers' scales set from the sample size; an ignored
     (dummy) batch, its loss times 0 as fairseq's ``ignore_grad``, has no gradient at all."""
-    task, model, crit = _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
-                               "--moe-gate-loss-wt", "0.05", "--moe-z-loss-wt", "0.002")
+    task, model, crit = moe_lm
     model.eval()
     sample = _sample(task)
     size = criterion_sample_size(crit, sample)
@@ -82,18 +89,17 @@ def test_gradients_equal_the_loss_with_the_moe_terms(lm_data, loss_scale, ignore
         assert not all(torch.allclose(plain[i], reference[i], rtol=1e-5) for i in router)
 
 
-def test_sample_size_is_known_before_the_forward(lm_data):
+def test_sample_size_is_known_before_the_forward(lm_data, moe_lm):
     """:func:`criterion_sample_size` gives what the criterion returns (tokens; sentences with
     ``--sentence-avg``)."""
-    for extra in ((), ("--sentence-avg",)):
-        task, model, crit = _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", *extra)
+    for task, model, crit in (moe_lm, _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4",
+                                             "--sentence-avg")):
         sample = _sample(task)
         assert criterion_sample_size(crit, sample) == crit(model, sample)[1]
 
 
-def test_loss_adds_weighted_balance_term_and_reports_base(lm_data):
-    task, model, moe_crit = _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
-                                   "--moe-gate-loss-wt", "0.05")
+def test_loss_adds_weighted_balance_term_and_reports_base(lm_data, moe_lm):
+    task, model, moe_crit = moe_lm
     plain = task.build_criterion(convert_namespace_to_omegaconf(options.parse_args_and_arch(
         options.get_training_parser(), [str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling",
                                         "--arch", "ts_lm_tiny", "--criterion", "cross_entropy"])).criterion)
@@ -124,12 +130,11 @@ def test_dense_model_under_moe_criterion(lm_data):
     assert agg.get_smoothed_values()["moe_gate_loss"] == 0.0
 
 
-def test_router_z_loss_term_equals_its_formula(lm_data):
+def test_router_z_loss_term_equals_its_formula(moe_lm):
     """``--moe-z-loss-wt w``: the z-loss ``sum_l mean_t (logsumexp_e s_te)^2`` (ST-MoE eq. 5) on the
     scores each router returned (captured by forward hooks) is what the layers return and what is
     logged as ``moe_z_loss`` (times S), whatever ``w``."""
-    task, model, crit = _build(lm_data, "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", "1",
-                               "--moe-z-loss-wt", "0.002")
+    task, model, crit = moe_lm
     routers = [m.router for m in model.modules() if hasattr(m, "router") and hasattr(m, "experts")]
     assert len(routers) == 2
     scores: list[torch.Tensor] = []
@@ -148,7 +153,10 @@ def test_router_z_loss_term_equals_its_formula(lm_data):
         type(crit).reduce_metrics([log])
     assert agg.get_smoothed_values()["moe_z_loss"] == pytest.approx(z, abs=1e-4)
     crit.moe_z_loss_wt = 0.0
-    _, _, log_off = crit(model, sample)
+    try:
+        _, _, log_off = crit(model, sample)
+    finally:
+        crit.moe_z_loss_wt = 0.002  # the shared criterion's weight
     assert log_off["moe_z_loss"] == pytest.approx(log["moe_z_loss"], rel=1e-6)
 
 

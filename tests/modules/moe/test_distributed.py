@@ -18,6 +18,7 @@ from tests.helpers.cli_utils import (
     run_many,
     tool,
 )
+from tests.helpers.mp_helpers import run_fairseq
 from tests.helpers.rendezvous import rendezvous_url
 
 TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "32",
@@ -25,10 +26,10 @@ TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim
 MOE = ["--moe-expert-count", "4", "--moe-freq", "2"]
 
 
-def _torchrun(args: list, timeout: int = 300):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                tool("fairseq-train"), *args, "--distributed-world-size", "2",
-                "--distributed-backend", "gloo", "--num-workers", "0"], timeout=timeout)
+def _train_two_ranks(args: list, out) -> str:
+    """``fairseq-train`` on 2 gloo ranks, one process each (torchrun itself: tests/integration/test_data_parallel.py);
+    rank 0's output."""
+    return run_fairseq("fairseq-train", [*args, "--num-workers", "0"], 2, out)[0].read_text()
 
 
 def _consolidate(name, out):
@@ -41,10 +42,38 @@ def _consolidate(name, out):
 EXPERT_PARALLEL_EQUIVALENCE = ["--moe-freq", "1", "--criterion", "moe_cross_entropy", "--moe-capacity-factor", "0",
                                "--moe-second-expert-policy", "all", "--clip-norm", "0.5", "--optimizer", "sparse_clip",
                                "--sparse-clip-base", "sgd", "--lr", "0.5", "--moe-balance-scope", "global"]
+# 4 experts, top-2, the balance loss weighted 1 (large enough that its scope changes the run):
+# ``global`` on 2 ranks is both the expert-parallel run compared with 1 process and the run
+# the local scope must differ from, so the two tests share it
+TOP2 = ["--moe-expert-count", "4", *EXPERT_PARALLEL_EQUIVALENCE, "--moe-top-k", "2", "--moe-gate-loss-wt", "1.0"]
+HARNESS_RUNS = {  # name: (world, dist_harness flags)
+    "top2_one": ("1", TOP2),
+    "top2_global2": ("2", TOP2),
+    "top2_local2": ("2", [*TOP2, "--moe-balance-scope", "local"]),
+    "top2_local_freq2": ("1", [*TOP2, "--moe-balance-scope", "local", "--update-freq", "2"]),
+    "replica_one": ("1", ["--moe-expert-count", "1", *EXPERT_PARALLEL_EQUIVALENCE, "--moe-top-k", "1"]),
+    "replica2": ("2", ["--moe-expert-count", "1", *EXPERT_PARALLEL_EQUIVALENCE, "--moe-top-k", "1"]),
+}
 
 
-@pytest.mark.parametrize("experts,extra", [("4", ["--moe-top-k", "2"]), ("1", ["--moe-top-k", "1"])])
-def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra):
+@pytest.fixture(scope="module")
+def harness(lm_data, tmp_path_factory):
+    """``harness(*names)``: the saved results of those :data:`HARNESS_RUNS` (each run once per
+    module; the missing ones started together)."""
+    root, done = tmp_path_factory.mktemp("harness"), {}
+
+    def results(*names: str) -> list[dict]:
+        missing = [name for name in names if name not in done]
+        run_many([[sys.executable, "-m", "tests.workers.dist_harness", root / f"{name}.pt", HARNESS_RUNS[name][0],
+                   lm_data, *HARNESS_RUNS[name][1]] for name in missing])
+        done.update({name: torch.load(root / f"{name}.pt") for name in missing})
+        return [done[name] for name in names]
+
+    return results
+
+
+@pytest.mark.parametrize("one,two", [("top2_one", "top2_global2"), ("replica_one", "replica2")])
+def test_expert_parallel_equals_single_process(harness, one, two):
     """E=4 on 2 ranks (2 experts each) and E=1 on 2 ranks (replicas) vs 1 process with the
     whole batch (``--moe-balance-scope global``: the balance loss of the whole batch): same
     losses, same SparseClip norms (issue 4: expert-parallel and data-parallel norm), same
@@ -52,11 +81,7 @@ def test_expert_parallel_equals_single_process(tmp_path, lm_data, experts, extra
 
     SGD, not Adam: Adam divides by sqrt(v), so gradients that are mathematically zero
     (the attention key bias) turn float summation-order noise into lr-sized steps."""
-    flags = ["--moe-expert-count", experts, *EXPERT_PARALLEL_EQUIVALENCE, *extra]
-    outs = {world: tmp_path / f"w{world}.pt" for world in (1, 2)}
-    run_many([[sys.executable, "-m", "tests.workers.dist_harness", outs[world], str(world), lm_data, *flags]
-              for world in (1, 2)])
-    one, two = torch.load(outs[1]), torch.load(outs[2])
+    one, two = harness(one, two)
     assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
     assert one["losses"][0] != one["losses"][-1]
     assert one["norms"] == pytest.approx(two["norms"], rel=1e-5)
@@ -92,8 +117,8 @@ def test_replicated_experts_save_consolidate_and_export(tmp_path, lm_data):
     saves its shard; ``ts-consolidate-experts`` and ``ts-export-hf`` read the layout from the
     shards, and the consolidated model equals each shard's experts."""
     save = tmp_path / "ck"
-    _torchrun([lm_data, "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *MOE, "--moe-expert-parallel-size", "1",
-               "--criterion", "moe_cross_entropy", "--max-update", "4", "--save-dir", save, "--disable-validation"])
+    _train_two_ranks([lm_data, *LM_TRAIN, *TINY_LM, *MOE, "--moe-expert-parallel-size", "1", "--criterion",
+                      "moe_cross_entropy", "--max-update", "4", "--save-dir", save, "--disable-validation"], tmp_path)
     shards = [torch.load(save / f"checkpoint_last-shard{r}.pt", weights_only=False) for r in range(2)]
     _consolidate(save / "checkpoint_last.pt", tmp_path / "lm.pt")
     merged = torch.load(tmp_path / "lm.pt", weights_only=False)["model"]
@@ -111,21 +136,15 @@ def test_balance_scope_against_its_definition(tmp_path):
     run([sys.executable, "-m", "tests.workers.balance_scope_worker", rendezvous_url(tmp_path)], timeout=120)
 
 
-def test_local_balance_scope_equals_update_freq(tmp_path, lm_data):
+def test_local_balance_scope_equals_update_freq(harness):
     """``--moe-balance-scope local`` on 2 ranks trains as 1 process with ``--update-freq 2``
     on the same micro-batches (fairseq's MoE branch and TorchScale); ``global`` on 2 ranks
     does not (its balance loss is that of the two micro-batches together)."""
-    flags = ["--moe-expert-count", "4", "--moe-freq", "1", "--criterion", "moe_cross_entropy",
-             "--moe-capacity-factor", "0", "--moe-second-expert-policy", "all", "--moe-gate-loss-wt", "1.0",
-             "--optimizer", "sgd", "--lr", "0.5"]
-    runs = {"local2": ("2", ["--moe-balance-scope", "local"]), "global2": ("2", ["--moe-balance-scope", "global"]),
-            "freq2": ("1", ["--moe-balance-scope", "local", "--update-freq", "2"])}
-    run_many([[sys.executable, "-m", "tests.workers.dist_harness", tmp_path / f"{name}.pt", world, lm_data, *flags,
-               *extra] for name, (world, extra) in runs.items()])
-    out = {name: torch.load(tmp_path / f"{name}.pt") for name in runs}
+    out = dict(zip(("local2", "global2", "freq2"), harness("top2_local2", "top2_global2", "top2_local_freq2")))
     gate = {name: [log["moe_gate_loss"] for log in o["logged"]] for name, o in out.items()}
     assert gate["local2"] == pytest.approx(gate["freq2"], abs=1e-4)
     assert out["local2"]["losses"] == pytest.approx(out["freq2"]["losses"], abs=1e-5)
+    assert out["local2"]["norms"] == pytest.approx(out["freq2"]["norms"], rel=1e-5)
     for name, p in out["freq2"]["state"].items():
         assert torch.allclose(p, out["local2"]["state"][name], atol=1e-5, rtol=0), name
     assert abs(gate["global2"][0] - gate["freq2"][0]) > 1e-3, gate
@@ -153,11 +172,11 @@ def test_fine_grained_shared_and_aux_free_bias_on_two_ranks_equal_update_freq(tm
 
 def test_lm_train_consolidate_validate_eval(tmp_path, lm_data):
     save = tmp_path / "ck"
-    proc = _torchrun([lm_data, "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *MOE, "--criterion",
-                      "moe_cross_entropy", "--max-update", "12", "--save-dir", save])
-    inner = json_logs(proc.stdout + proc.stderr, "train_inner")
+    log = _train_two_ranks([lm_data, *LM_TRAIN, *TINY_LM, *MOE, "--criterion", "moe_cross_entropy", "--max-update",
+                            "5", "--save-dir", save], tmp_path)
+    inner = json_logs(log, "train_inner")
     assert inner and {"moe_gate_loss", "moe_cv_dec1", "moe_drop", "moe_entropy"} <= set(inner[-1])
-    valid = json_logs(proc.stdout + proc.stderr, "valid")[-1]
+    valid = json_logs(log, "valid")[-1]
     assert sorted(p.name for p in save.iterdir()) == [
         "checkpoint_best-shard0.pt", "checkpoint_best-shard1.pt", "checkpoint_last-shard0.pt",
         "checkpoint_last-shard1.pt"]
@@ -185,11 +204,11 @@ def test_lm_train_consolidate_validate_eval(tmp_path, lm_data):
 
 def test_translation_train_consolidate_generate(tmp_path, mt_data):
     save = tmp_path / "ck"
-    _torchrun([mt_data, "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "ts_transformer_tiny",
-               "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim",
-               "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads",
-               "2", "--decoder-attention-heads", "2", *MOE, "--criterion", "moe_label_smoothed_cross_entropy",
-               "--max-update", "10", "--save-dir", save, "--disable-validation"])
+    _train_two_ranks([mt_data, *MT_TRAIN, "--arch", "ts_transformer_tiny", "--encoder-layers", "2",
+                      "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+                      "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads",
+                      "2", "--decoder-attention-heads", "2", *MOE, "--criterion", "moe_label_smoothed_cross_entropy",
+                      "--max-update", "10", "--save-dir", save, "--disable-validation"], tmp_path)
     _consolidate(save / "checkpoint_last.pt", tmp_path / "mt.pt")
     gen = run([tool("fairseq-generate"), mt_data, "--user-dir", USER_DIR, "--path", tmp_path / "mt.pt",
                "--beam", "2", "--max-len-b", "20", "--batch-size", "16", "--cpu", "--num-workers", "0"])

@@ -8,8 +8,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, cli_env, last_error_line, run, tool
-from tests.helpers.rendezvous import rendezvous_url
+from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, last_error_line, run, tool
+from tests.helpers.mp_helpers import fairseq_ranks
 from torchscale_fairseq.cli.consolidate_experts import consolidate
 from torchscale_fairseq.criterions.balance_check import check_balance_loss_criterion
 from torchscale_fairseq.criterions.moe_terms import moe_outputs
@@ -181,26 +181,32 @@ TINY_LM = ["--arch", "ts_lm_tiny", "--decoder-layers", "2", "--decoder-embed-dim
            "--num-workers", "0"]
 
 
-@pytest.mark.parametrize("flags,expect", [
-    (["--moe-expert-count", "3", "--decoder-ffn-embed-dim", "64"],
-     "--moe-expert-count 3 is not compatible with 2 data-parallel ranks"),
-    (["--moe-expert-count", "2", "--decoder-ffn-embed-dim", "63", "--model-parallel-size", "2",
-      "--ddp-backend", "legacy_ddp"], "FFN dimension (63) is not divisible by --model-parallel-size 2"),
-])
-def test_two_rank_layout_errors_are_one_line(tmp_path, lm_data, flags, expect):
+LAYOUT_ERRORS = {
+    "expert_count": (["--moe-expert-count", "3", "--decoder-ffn-embed-dim", "64"],
+                     "--moe-expert-count 3 is not compatible with 2 data-parallel ranks"),
+    "ffn_width": (["--moe-expert-count", "2", "--decoder-ffn-embed-dim", "63", "--model-parallel-size", "2",
+                   "--ddp-backend", "legacy_ddp"], "FFN dimension (63) is not divisible by --model-parallel-size 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(lm_data, tmp_path_factory) -> dict:
+    """Both cases' 2 ranks, started together (one round of processes): ``{case: (save dir, [(exit code, log)])}``."""
+    root = tmp_path_factory.mktemp("layout")
+    started = {name: fairseq_ranks("fairseq-train", [str(lm_data), *LM_TRAIN, *TINY_LM, *flags, "--save-dir",
+                                                     str(root / name / "ck")], 2, root / name)
+               for name, (flags, _) in LAYOUT_ERRORS.items()}
+    return {name: (root / name / "ck", [(proc.wait(timeout=300), log.read_text()) for proc, log in zip(*ranks)])
+            for name, ranks in started.items()}
+
+
+@pytest.mark.parametrize("case", LAYOUT_ERRORS)
+def test_two_rank_layout_errors_are_one_line(layout_runs, case):
     """Expert count against the data-parallel ranks and FFN width against the tensor-parallel
     size: both ranks stop at model construction with one line, nothing written."""
-    init_method = rendezvous_url(tmp_path)
-    procs = [subprocess.Popen(
-        [tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, *LM_TRAIN, *TINY_LM, *flags,
-         "--save-dir", str(tmp_path / "ck"), "--distributed-world-size", "2", "--distributed-rank", str(rank),
-         "--distributed-init-method", init_method, "--distributed-no-spawn",
-         "--distributed-backend", "gloo"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()) for rank in range(2)]
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        assert proc.returncode == 2, err[-2000:]
-        assert "Traceback" not in err, err[-2000:]
-        assert expect in last_error_line(done), err[-2000:]
-    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+    save, ranks = layout_runs[case]
+    for code, log in ranks:
+        assert code == 2, log[-2000:]
+        assert "Traceback" not in log, log[-2000:]
+        assert LAYOUT_ERRORS[case][1] in last_error_line(subprocess.CompletedProcess([], code, "", log)), log[-2000:]
+    assert not save.exists() or not any(save.iterdir())

@@ -30,18 +30,14 @@ MOE_MODELS = ("moe_noise_random", "moe_keep_exchange", "moe_sampling_global", "m
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    """``{tp: [rank 0 results, rank 1 results]}``; both TP sizes run at once."""
+    """``{tp: [rank 0 results, rank 1 results]}``; the same 2 processes run both TP sizes."""
     out = tmp_path_factory.mktemp("ckpt")
-    procs, logs = [], []
-    for tp in (1, 2):
-        init_method = rendezvous_url(out)
-        for rank in range(WORLD):
-            logs.append(out / f"tp{tp}.rank{rank}.log")
-            cmd = [sys.executable, "-m", "tests.workers.ckpt_worker", str(rank), str(WORLD), str(tp), init_method,
-                   str(out / f"tp{tp}")]
-            procs.append(launch(cmd, logs[-1]))
+    init_method = rendezvous_url(out)
+    logs = [out / f"rank{rank}.log" for rank in range(WORLD)]
+    procs = [launch([sys.executable, "-m", "tests.workers.ckpt_worker", str(rank), str(WORLD), init_method,
+                     str(out / "step"), "1,2"], logs[rank]) for rank in range(WORLD)]
     wait_all(procs, logs, timeout=240)
-    return {tp: [json.loads((out / f"tp{tp}.{rank}.json").read_text()) for rank in range(WORLD)] for tp in (1, 2)}
+    return {tp: [json.loads((out / f"step.tp{tp}.{rank}.json").read_text()) for rank in range(WORLD)] for tp in (1, 2)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
