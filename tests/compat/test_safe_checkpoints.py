@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from tests.helpers import prewarmed
+
 
 class RunsCodeOnLoad:
     def __init__(self, marker: str) -> None:
@@ -18,14 +20,16 @@ class RunsCodeOnLoad:
 
 
 def _load_in_subprocess(path, import_plugin: bool, loader: str = "torch.load") -> subprocess.CompletedProcess:
-    """Load ``path`` with ``loader`` (PyTorch's default weights_only=True, or fairseq's)."""
-    code = (
+    """Load ``path`` with ``loader`` (PyTorch's default weights_only=True, or fairseq's) in a new
+    process (from the prewarmed server: torch and fairseq imported, the plugin not)."""
+    script = path.with_suffix(f".{'plugin' if import_plugin else 'stock'}.py")
+    script.write_text(
         "import torch\nfrom fairseq import checkpoint_utils\n"
         + ("import torchscale_fairseq\n" if import_plugin else "")
         + f"state = {loader}({str(path)!r})\n"
         + "print('loaded', sorted(state))\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return prewarmed.run([sys.executable, script], timeout=300)
 
 
 def test_namespace_checkpoint_needs_and_gets_the_allow_list(tmp_path):

@@ -31,7 +31,7 @@ import torch
 from tests.helpers.mp_helpers import REPO, UNROUNDED, USER_DIR, launch, make_corpora, relative_close, run_jobs, train_records
 from torchscale_fairseq.interop.checkpoint_files import load_single_process_state
 
-UPDATES = 4
+UPDATES = 2  # update 1: the forward and the gradients (loss, gnorm); update 2: the optimizer step
 REL = 1e-5
 NODES, PER_NODE = 2, 2
 PORT_RETRIES = 2

@@ -1,5 +1,6 @@
 """SIGKILL in the middle of an epoch, restart the same command: the updates after the
-restart are exactly those of an uninterrupted run (fp32 on CPU, one thread: bitwise)."""
+restart are exactly those of an uninterrupted run (fp32 on CPU, one thread: bitwise).
+Saves every 2 updates, killed after update 3: 2 updates on each side of the cut."""
 
 import json
 import signal
@@ -15,8 +16,8 @@ from tests.helpers import prewarmed
 from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, WORKERS, cli_env, json_logs, run, tool
 
 STALL_CLI = WORKERS / "stall_cli.py"
-MAX_UPDATE = 12
-COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", "4", "--log-interval", "1",
+MAX_UPDATE, SAVE_EVERY = 4, 2
+COMMON = ["--max-update", str(MAX_UPDATE), "--save-interval-updates", str(SAVE_EVERY), "--log-interval", "1",
           "--disable-validation", "--dropout", "0.1"]
 RECIPES = {
     "ts_lm": ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--attention-dropout", "0.1"],
@@ -61,13 +62,13 @@ def test_sigkill_mid_epoch_then_restart_is_exact(recipe, lm_data, mt_data, tmp_p
     data = mt_data if recipe == "ts_transformer" else lm_data
     with ThreadPoolExecutor(max_workers=2) as pool:  # the uninterrupted run alongside the killed one
         pending = pool.submit(run, _command(data, tmp_path / "ref", recipe))
-        _kill_after(_command(data, tmp_path / "killed", recipe), update=6)
+        _kill_after(_command(data, tmp_path / "killed", recipe), update=SAVE_EVERY + 1)
         reference = pending.result()
     resumed = run(_command(data, tmp_path / "killed", recipe))
     out = resumed.stdout + resumed.stderr
-    assert "Loaded checkpoint" in out and "@ 4 updates" in out
+    assert "Loaded checkpoint" in out and f"@ {SAVE_EVERY} updates" in out
     ref, got = _losses(reference.stdout + reference.stderr), _losses(out)
-    assert sorted(got) == list(range(5, MAX_UPDATE + 1))
+    assert sorted(got) == list(range(SAVE_EVERY + 1, MAX_UPDATE + 1))
     assert all(got[u] == ref[u] for u in got), (ref, got)
     state_ref = torch.load(tmp_path / "ref" / "checkpoint_last.pt", weights_only=True)
     state_got = torch.load(tmp_path / "killed" / "checkpoint_last.pt", weights_only=True)

@@ -1,10 +1,11 @@
 """SIGKILL both ranks of a tensor-parallel (N=2) or pipeline-parallel (P=2) run mid-epoch,
 restart: the updates after the restart equal those of an uninterrupted run, the checkpoint
-parts (stages) bitwise. Dropout and attention dropout are on, so the tensor-parallel RNG
+parts (stages) bitwise (saves every 2 updates, killed after update 3: 2 updates on each side
+of the cut). Dropout and attention dropout are on, so the tensor-parallel RNG
 tracker (and each stage's dropout stream) must come back too.
 
 The uninterrupted run also shows Megatron's replication invariant with dropout on: after
-its 12 updates every tensor the parameter-attribute registry does not mark as split
+its 4 updates every tensor the parameter-attribute registry does not mark as split
 (LayerNorms, row-parallel biases), with its Adam moments, is bitwise identical in the two
 ranks' parts, and every split one differs (the per-rank dropout streams of
 ``model_parallel/random.py`` stay inside the parallel regions).
@@ -16,7 +17,7 @@ is exact too; the same for a pipeline's stages.
 
 The pipeline run (4 layers, tied embeddings, 1F1B over 2 micro-batches) also shows that the
 last stage's copy of the tied embedding stays bitwise equal to the first stage's embedding,
-with its Adam moments, after 12 updates with dropout on; resuming it with another split or on
+with its Adam moments, after 4 updates with dropout on; resuming it with another split or on
 one process is refused in one line naming the conversion."""
 
 import json
@@ -31,18 +32,21 @@ import torch
 import torchscale_fairseq  # noqa: F401  (the checkpoint allow-list)
 from tests.helpers.cli_utils import LM_TRAIN, WORKERS
 from tests.helpers.mp_helpers import (
-    BIN,
     USER_DIR,
     assert_replicated_across_parts,
     dist_flags,
+    fairseq_ranks,
     launch,
     run_fairseq,
+    wait_all,
 )
 from tests.helpers.rendezvous import rendezvous_url
 
 STALL_CLI = WORKERS / "stall_cli.py"
+MAX_UPDATE, SAVE_EVERY = 4, 2
 
-ARGS = ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--max-update", "12", "--save-interval-updates", "4",
+ARGS = ["--arch", "ts_lm_tiny", *LM_TRAIN, "--batch-size", "8", "--max-update", str(MAX_UPDATE),
+        "--save-interval-updates", str(SAVE_EVERY),
         "--log-interval", "1", "--disable-validation", "--dropout", "0.1", "--attention-dropout", "0.1",
         "--model-parallel-size", "2", "--ddp-backend", "legacy_ddp"]
 ARGS.remove("--cpu")
@@ -76,7 +80,7 @@ def _assert_resumed_exactly(ref_dir, run_dir, ref_log, resumed_log, from_update:
     text = resumed_log.read_text()
     assert "Loaded checkpoint" in text and f"@ {from_update} updates" in text
     want, got = _losses(ref_log), _losses(resumed_log)
-    assert sorted(got) == list(range(from_update + 1, 13))
+    assert sorted(got) == list(range(from_update + 1, MAX_UPDATE + 1))
     assert all(got[u] == want[u] for u in got), (want, got)
     for suffix in suffixes:
         a = torch.load(ref_dir / f"checkpoint_last{suffix}.pt", weights_only=True)["model"]
@@ -84,35 +88,46 @@ def _assert_resumed_exactly(ref_dir, run_dir, ref_log, resumed_log, from_update:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _sigkill_restart_and_torn_save(lm_data, tmp_path, args, suffixes) -> Path:
+def _sigkill_restart_and_torn_save(lm_data, tmp_path, args, suffixes, refused=None) -> Path:
     """The uninterrupted run, the killed and restarted one, and a save torn between the two ranks'
-    files (``suffixes``: each rank's file suffix); returns the uninterrupted run's save dir."""
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *args], 2, tmp_path / "ref_logs")
-    _kill_after([str(lm_data), "--save-dir", str(run_dir), *args], tmp_path / "killed_logs", update=6)
+    files (``suffixes``: each rank's file suffix); returns the uninterrupted run's save dir.
+    ``refused(ref_dir)``: starts further runs that read the uninterrupted run's checkpoint and
+    must fail, beside the restarts (their processes; checked by the caller once they end).
+    Three rounds of processes: the uninterrupted run beside the killed one; the restart beside the
+    torn save's refused start (and ``refused``); the restart from the checkpoint the refusal names."""
+    ref_dir, run_dir, torn_dir = tmp_path / "ref", tmp_path / "run", tmp_path / "torn"
+    ref_procs, ref = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *args], 2,
+                                   tmp_path / "ref_logs")
+    _kill_after([str(lm_data), "--save-dir", str(run_dir), *args], tmp_path / "killed_logs", update=SAVE_EVERY + 1)
+    wait_all(ref_procs, ref)
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        f"checkpoint_{n}{suffix}.pt" for n in ("1_4", "last") for suffix in suffixes]
-    resumed = run_fairseq("fairseq-train", [str(lm_data), "--save-dir", str(run_dir), *args], 2,
-                          tmp_path / "resumed_logs")
-    _assert_resumed_exactly(ref_dir, run_dir, ref[0], resumed[0], 4, suffixes)
+        f"checkpoint_{n}{suffix}.pt" for n in (f"1_{SAVE_EVERY}", "last") for suffix in suffixes]
 
-    # killed while saving update 8: rank 0's file of checkpoint_last and of checkpoint_1_8 written, rank 1's not
-    torn_dir = tmp_path / "torn"
+    # killed while saving update 4: rank 0's file of checkpoint_last and of checkpoint_1_4 written, rank 1's not
+    first, second = f"checkpoint_1_{SAVE_EVERY}", f"checkpoint_1_{2 * SAVE_EVERY}"
     torn_dir.mkdir()
-    for name in (*(f"checkpoint_1_4{suffix}.pt" for suffix in suffixes), f"checkpoint_1_8{suffixes[0]}.pt"):
+    for name in (*(f"{first}{suffix}.pt" for suffix in suffixes), f"{second}{suffixes[0]}.pt"):
         shutil.copy(ref_dir / name, torn_dir / name)
-    shutil.copy(ref_dir / f"checkpoint_1_8{suffixes[0]}.pt", torn_dir / f"checkpoint_last{suffixes[0]}.pt")
-    shutil.copy(ref_dir / f"checkpoint_1_4{suffixes[1]}.pt", torn_dir / f"checkpoint_last{suffixes[1]}.pt")
+    shutil.copy(ref_dir / f"{second}{suffixes[0]}.pt", torn_dir / f"checkpoint_last{suffixes[0]}.pt")
+    shutil.copy(ref_dir / f"{first}{suffixes[1]}.pt", torn_dir / f"checkpoint_last{suffixes[1]}.pt")
     torn_args = [str(lm_data), "--save-dir", str(torn_dir), *args]
-    logs = fairseq_ranks_failing(torn_args, tmp_path / "torn_logs")
-    restore = torn_dir / "checkpoint_1_4.pt"
-    for log in logs:
+
+    resumed_procs, resumed = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(run_dir), *args], 2,
+                                           tmp_path / "resumed_logs")
+    torn_procs, torn_logs = fairseq_ranks("fairseq-train", torn_args, 2, tmp_path / "torn_logs")
+    others = refused(ref_dir) if refused else []
+    wait_all(resumed_procs, resumed)
+    _assert_resumed_exactly(ref_dir, run_dir, ref[0], resumed[0], SAVE_EVERY, suffixes)
+    restore = torn_dir / f"{first}.pt"
+    for log in wait_failing(torn_procs, torn_logs):
         errors = [ln for ln in log.read_text().splitlines() if "different updates" in ln]
         assert errors and f"--restore-file {restore}" in errors[-1], log.read_text()[-2000:]
-        assert "@ 8" in errors[-1] and "@ 4" in errors[-1]
-    resumed = run_fairseq("fairseq-train", [*torn_args, "--restore-file", str(restore)], 2,
-                          tmp_path / "restored_logs")
-    _assert_resumed_exactly(ref_dir, torn_dir, ref[0], resumed[0], 4, suffixes)
+        assert f"@ {2 * SAVE_EVERY}" in errors[-1] and f"@ {SAVE_EVERY}" in errors[-1]
+    restored = run_fairseq("fairseq-train", [*torn_args, "--restore-file", str(restore)], 2,
+                           tmp_path / "restored_logs")
+    _assert_resumed_exactly(ref_dir, torn_dir, ref[0], restored[0], SAVE_EVERY, suffixes)
+    for procs, logs in others:
+        wait_failing(procs, logs)
     return ref_dir
 
 
@@ -129,7 +144,18 @@ PIPELINE_ARGS = [*ONE_STACK_ARGS, "--pipeline-model-parallel-size", "2"]
 
 
 def test_pipeline_sigkill_then_restart_is_exact(lm_data, tmp_path):
-    ref_dir = _sigkill_restart_and_torn_save(lm_data, tmp_path, PIPELINE_ARGS, ("-stage0", "-stage1"))
+    refused = {}
+
+    def another_split_or_one_process(ref_dir: Path) -> list:
+        """Another split, or one process, on the uninterrupted run's stages (to fail)."""
+        refused["split"] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *PIPELINE_ARGS,
+                                                            "--pipeline-layers", "1,3"], 2, tmp_path / "split_logs")
+        refused["one"] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ONE_STACK_ARGS], 1,
+                                       tmp_path / "one_logs")
+        return list(refused.values())
+
+    ref_dir = _sigkill_restart_and_torn_save(lm_data, tmp_path, PIPELINE_ARGS, ("-stage0", "-stage1"),
+                                             another_split_or_one_process)
     first, last = (torch.load(ref_dir / f"checkpoint_last-stage{p}.pt", weights_only=True) for p in (0, 1))
     assert torch.equal(first["model"]["decoder.embed.embed_tokens.weight"], last["model"]["decoder.tied_output.weight"])
     moments = [s["last_optimizer_state"]["state"][s["extra_state"]["ts_tensor_parallel"]["params"].index(name)]
@@ -139,30 +165,17 @@ def test_pipeline_sigkill_then_restart_is_exact(lm_data, tmp_path):
     assert sorted(k.split(".")[2] for k in last["model"] if k.endswith("final_layer_norm.weight")) == ["2", "3"]
 
     # another split, or one process, on these stages: one line naming the conversion
-    split = fairseq_ranks_failing([str(lm_data), "--save-dir", str(ref_dir), *PIPELINE_ARGS, "--pipeline-layers", "1,3"],
-                                  tmp_path / "split_logs")
-    one = _one_process_failing([str(lm_data), "--save-dir", str(ref_dir), *ONE_STACK_ARGS], tmp_path / "one.log")
-    for logs, expected_lines in (
-            (split, ("holds decoder.layers.{0-1} but this model (pipeline stage) holds decoder.layers.{0}:",
-                     "holds decoder.layers.{2-3} but this model (pipeline stage) holds decoder.layers.{1-3}:")),
-            ([one], ("was saved as 1 tensor-parallel part(s) x 2 pipeline stage(s)",))):
+    for (_, logs), expected_lines in (
+            (refused["split"], ("holds decoder.layers.{0-1} but this model (pipeline stage) holds decoder.layers.{0}:",
+                                "holds decoder.layers.{2-3} but this model (pipeline stage) holds decoder.layers.{1-3}:")),
+            (refused["one"], ("was saved as 1 tensor-parallel part(s) x 2 pipeline stage(s)",))):
         for log, expected in zip(logs, expected_lines):
             lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
             assert expected in lines[-1] and "Traceback" not in log.read_text(), log.read_text()[-2000:]
 
 
-def _one_process_failing(args, log: Path) -> Path:
-    proc = launch([str(BIN / "fairseq-train"), *args, "--user-dir", str(USER_DIR), "--cpu"], log)
-    assert proc.wait(timeout=300) != 0, log.read_text()[-2000:]
-    return log
-
-
-def fairseq_ranks_failing(args, out) -> list[Path]:
-    """Run ``fairseq-train`` on 2 ranks that must both exit with an error (within the timeout)."""
-    init_method = rendezvous_url(out)
-    logs = [out / f"fairseq-train.{rank}.log" for rank in range(2)]
-    procs = [launch([str(BIN / "fairseq-train"), *args, "--user-dir", str(USER_DIR), "--cpu",
-                     *dist_flags(2, rank, init_method)], logs[rank]) for rank in range(2)]
+def wait_failing(procs: list, logs: list[Path]) -> list[Path]:
+    """Wait for runs that must all exit with an error (within the timeout); their logs."""
     for p, log in zip(procs, logs):
         assert p.wait(timeout=300) != 0, log.read_text()[-2000:]
     return logs
