@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, run, run_many, tool
+from tests.helpers.cli_utils import LM_TRAIN, MT_TRAIN, USER_DIR, run_many, tool
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +33,60 @@ def mt_ckpt(checkpoints):
     return checkpoints["mt"]
 
 
-def test_checkpoint_reload_continues_training(lm_data, lm_ckpt, tmp_path):
+def eval_lm(lm_data, path, *extra) -> list:
+    return [tool("fairseq-eval-lm"), lm_data, "--path", path, "--user-dir", USER_DIR, "--cpu", "--tokens-per-sample",
+            "32", "--batch-size", "8", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(lm_data, mt_data, lm_ckpt, mt_ckpt, tmp_path_factory) -> dict:
+    """Every console-tool run of the tests below, started together (``run_many``: two at a time):
+    the LM trained on from its checkpoint to 45 updates, ``fairseq-eval-lm`` of its best checkpoint
+    (plain, and as an ``--fp8`` checkpoint refused and overridden), ``fairseq-generate`` batched and one
+    sentence at a time, and ``fairseq-interactive`` on two test sources."""
     import shutil
 
-    save = tmp_path / "ck"
-    shutil.copytree(lm_ckpt, save)
-    before = torch.load(save / "checkpoint_last.pt", weights_only=True)
-    proc = run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "45",
-                "--save-dir", save, *LM_TRAIN])
+    tmp = tmp_path_factory.mktemp("eval_runs")
+    shutil.copytree(lm_ckpt, tmp / "ck")
+    state = torch.load(lm_ckpt / "checkpoint_best.pt", weights_only=False)
+    state["cfg"]["model"]["fp8"] = "tensorwise"
+    torch.save(state, tmp / "fp8.pt")
+    src = open(mt_data.parent / "test.src").read().splitlines()[:2]
+    (tmp / "in.txt").write_text("\n".join(src) + "\n")
+    generate = [tool("fairseq-generate"), mt_data, "--path", mt_ckpt / "checkpoint_best.pt", "--user-dir", USER_DIR,
+                "--cpu", "--beam", "4", "--gen-subset", "test"]
+    cmds = {
+        "reload": [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update",
+                   "45", "--save-dir", tmp / "ck", *LM_TRAIN],
+        "eval_lm": eval_lm(lm_data, lm_ckpt / "checkpoint_best.pt"),
+        "fp8_refused": eval_lm(lm_data, tmp / "fp8.pt"),
+        "fp8_overridden": eval_lm(lm_data, tmp / "fp8.pt", "--model-overrides", "{'fp8': 'none'}"),
+        "generate_batched": [*generate, "--batch-size", "16"],
+        "generate_single": [*generate, "--batch-size", "1"],
+        "interactive": [tool("fairseq-interactive"), mt_data, "--path", mt_ckpt / "checkpoint_best.pt", "--user-dir",
+                        USER_DIR, "--cpu", "--beam", "2", "--source-lang", "src", "--target-lang", "tgt", "--input",
+                        tmp / "in.txt"],
+    }
+    return {"save": tmp / "ck", **dict(zip(cmds, run_many(list(cmds.values()), check=False)))}
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"{' '.join(map(str, proc.args))} exited {proc.returncode}:\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_checkpoint_reload_continues_training(lm_ckpt, runs):
+    before = torch.load(lm_ckpt / "checkpoint_last.pt", weights_only=True)
+    proc = ok(runs["reload"])
     out = proc.stdout + proc.stderr
     assert "Loaded checkpoint" in out and "@ 40 updates" in out
-    after = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    after = torch.load(runs["save"] / "checkpoint_last.pt", weights_only=True)
     assert after["optimizer_history"][-1]["num_updates"] == 45
     assert before["extra_state"]["train_iterator"]["epoch"] <= after["extra_state"]["train_iterator"]["epoch"]
 
 
-def test_eval_lm_reports_perplexity(lm_data, lm_ckpt):
-    proc = run([tool("fairseq-eval-lm"), lm_data, "--path", lm_ckpt / "checkpoint_best.pt", "--user-dir", USER_DIR,
-                "--cpu", "--tokens-per-sample", "32", "--batch-size", "8"])
+def test_eval_lm_reports_perplexity(lm_data, runs):
+    proc = ok(runs["eval_lm"])
     match = re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", proc.stdout + proc.stderr)
     assert match, proc.stderr[-2000:]
     loss, ppl = float(match.group(1)), float(match.group(2))
@@ -63,23 +99,16 @@ def _hypotheses(text: str) -> dict:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t[-\d.e]+\t(.*)$", text, re.M)}
 
 
-def test_generate_batched_beam_equals_one_at_a_time(mt_data, mt_ckpt):
-    common = [tool("fairseq-generate"), mt_data, "--path", mt_ckpt / "checkpoint_best.pt", "--user-dir", USER_DIR,
-              "--cpu", "--beam", "4", "--gen-subset", "test"]
-    batched, single = run_many([[*common, "--batch-size", "16"], [*common, "--batch-size", "1"]])
+def test_generate_batched_beam_equals_one_at_a_time(runs):
+    batched, single = ok(runs["generate_batched"]), ok(runs["generate_single"])
     hyps_b, hyps_s = _hypotheses(batched.stdout), _hypotheses(single.stdout)
     assert len(hyps_b) == 40 and hyps_b == hyps_s
     bleu = float(re.search(r"BLEU4 = ([\d.]+)", batched.stdout).group(1))
     assert bleu > 20, batched.stdout[-500:]
 
 
-def test_interactive_translates(mt_data, mt_ckpt, tmp_path):
-    src = open(mt_data.parent / "test.src").read().splitlines()[:2]
-    (tmp_path / "in.txt").write_text("\n".join(src) + "\n")
-    proc = run([tool("fairseq-interactive"), mt_data, "--path", mt_ckpt / "checkpoint_best.pt", "--user-dir",
-                USER_DIR, "--cpu", "--beam", "2", "--source-lang", "src", "--target-lang", "tgt", "--input",
-                tmp_path / "in.txt"])
-    hyps = re.findall(r"^H-\d+\t[-\d.e]+\t(.*)$", proc.stdout, re.M)
+def test_interactive_translates(runs):
+    hyps = re.findall(r"^H-\d+\t[-\d.e]+\t(.*)$", ok(runs["interactive"]).stdout, re.M)
     assert len(hyps) == 2 and all(h.strip() for h in hyps)
 
 
@@ -99,20 +128,11 @@ def test_hub_interface_translate_and_sample(mt_data, mt_ckpt, lm_data, lm_ckpt):
     assert math.isfinite(float(scored["positional_scores"].mean()))
 
 
-def test_fp8_checkpoint_evaluates_on_cpu_with_the_named_override(lm_data, lm_ckpt, tmp_path):
+def test_fp8_checkpoint_evaluates_on_cpu_with_the_named_override(runs):
     """A checkpoint whose config says ``--fp8`` (FP8 changes the GEMMs, not the parameters) is
     refused on the CPU in one line naming ``--model-overrides``; with it, it scores exactly as the
     same weights saved without ``--fp8``."""
-    state = torch.load(lm_ckpt / "checkpoint_best.pt", weights_only=False)
-    state["cfg"]["model"]["fp8"] = "tensorwise"
-    torch.save(state, tmp_path / "fp8.pt")
-    common = ["--user-dir", USER_DIR, "--cpu", "--tokens-per-sample", "32", "--batch-size", "8"]
-    refused, overridden, plain = run_many([
-        [tool("fairseq-eval-lm"), lm_data, "--path", tmp_path / "fp8.pt", *common],
-        [tool("fairseq-eval-lm"), lm_data, "--path", tmp_path / "fp8.pt", *common, "--model-overrides",
-         "{'fp8': 'none'}"],
-        [tool("fairseq-eval-lm"), lm_data, "--path", lm_ckpt / "checkpoint_best.pt", *common],
-    ], check=False)
+    refused, overridden, plain = runs["fp8_refused"], runs["fp8_overridden"], runs["eval_lm"]
     assert refused.returncode != 0
     assert "--model-overrides \"{'fp8': 'none'}\"" in refused.stderr.strip().splitlines()[-1]
     ppl = [re.search(r"Perplexity: ([\d.]+)", p.stdout + p.stderr) for p in (overridden, plain)]

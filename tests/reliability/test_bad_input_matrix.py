@@ -56,14 +56,20 @@ def _snapshot(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def outcomes(ctx, tmp_path_factory) -> dict:
-    """Every case's process (run a few at a time), with the fixture files hashed before and
-    after all of them."""
+    """Every case's process and the resume with another dictionary (run a few at a time), with the
+    fixture files hashed before and after all of them."""
     saves = tmp_path_factory.mktemp("bad_saves")
     before = _snapshot(ctx["root"])
+    resume = tmp_path_factory.mktemp("resume") / "ck"
+    shutil.copytree(Path(ctx["lm_ckpt"]).parent, resume)
+    resume_before = _snapshot(resume)
     cmds = [case.command({**ctx, "save": str(saves / str(i))}) for i, case in enumerate(CASES)]
+    cmds.append([tool("fairseq-train"), ctx["other_lm_data"], "--user-dir", USER_DIR, "--arch", "ts_lm_tiny",
+                 "--max-update", "4", "--save-dir", resume, *LM_TRAIN])
     procs = run_many(cmds, check=False)
     return {"procs": {case.name: (saves / str(i), proc) for i, (case, proc) in enumerate(zip(CASES, procs))},
-            "before": before, "after": _snapshot(ctx["root"])}
+            "before": before, "after": _snapshot(ctx["root"]),
+            "resume": (resume, resume_before, procs[-1])}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -83,13 +89,9 @@ def test_readme_troubleshooting_is_in_step_with_the_matrix():
     assert render_troubleshooting() in (REPO / "README.md").read_text()
 
 
-def test_dictionary_mismatch_on_resume_keeps_the_checkpoint_in_place(ctx, tmp_path):
+def test_dictionary_mismatch_on_resume_keeps_the_checkpoint_in_place(outcomes):
     """Resuming from the save directory's own checkpoint_last.pt with another dictionary."""
-    save = tmp_path / "ck"
-    shutil.copytree(Path(ctx["lm_ckpt"]).parent, save)
-    before = _snapshot(save)
-    proc = run([tool("fairseq-train"), ctx["other_lm_data"], "--user-dir", USER_DIR, "--arch", "ts_lm_tiny",
-                "--max-update", "4", "--save-dir", save, *LM_TRAIN], check=False)
+    save, before, proc = outcomes["resume"]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "dict.txt" in last_error_line(proc)
     assert _snapshot(save) == before

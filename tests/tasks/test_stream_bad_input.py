@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli_utils import last_error_line, run, tool
+from tests.helpers.cli_utils import last_error_line, run_many, tool
 from tests.helpers.stream_data import make_stream_data, write_index, write_shard
 from tests.tasks.conftest import USER_DIR
 from torchscale_fairseq.data import gpt2_bpe
@@ -73,23 +73,33 @@ def test_missing_tokenizer_asset(tmp_path: Path, task_factory, monkeypatch) -> N
         gpt2_bpe.get_gpt2_encoding.cache_clear()
 
 
-def test_cli_one_line_error_before_training(tmp_path: Path) -> None:
-    make_stream_data(tmp_path, {"c": (2, 3, 1.0)})
-    (tmp_path / "shard" / "c" / "00001.txt").unlink()
-    proc = run([tool("fairseq-train"), tmp_path, "--user-dir", USER_DIR, "--task", "streaming_lm", "--arch",
-                "ts_lm_tiny", "--batch-size", "2", "--tokens-per-sample", "16", "--cpu", "--max-update", "1",
-                "--optimizer", "adam", "--save-dir", tmp_path / "ck"], check=False, timeout=300)
+def _train(data: Path, *extra: str) -> list:
+    return [tool("fairseq-train"), data, "--user-dir", USER_DIR, "--task", "streaming_lm", "--arch", "ts_lm_tiny",
+            "--batch-size", "2", "--tokens-per-sample", "16", "--cpu", "--max-update", "1", "--optimizer", "adam",
+            "--save-dir", data / "ck", *extra]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict:
+    """``fairseq-train`` on a stream with a missing shard and on one with fewer documents than readers,
+    run side by side (``run_many``)."""
+    missing = make_stream_data(tmp_path_factory.mktemp("missing_shard"), {"c": (2, 3, 1.0)})
+    (missing / "shard" / "c" / "00001.txt").unlink()
+    few = make_stream_data(tmp_path_factory.mktemp("few_documents"), {"c": (1, 2, 1.0)})
+    procs = run_many([_train(missing), _train(few, "--num-workers", "3")], check=False)
+    return {"missing_shard": (missing, procs[0]), "few_documents": procs[1]}
+
+
+def test_cli_one_line_error_before_training(refused) -> None:
+    data, proc = refused["missing_shard"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last_error_line(proc).startswith("fairseq-train: error: shard ")
     assert "00001.txt listed in" in last_error_line(proc) and "Traceback" not in proc.stderr
-    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+    assert not (data / "ck").exists() or not any((data / "ck").iterdir())
 
 
-def test_cli_fewer_documents_than_readers_is_one_line(tmp_path: Path) -> None:
-    make_stream_data(tmp_path, {"c": (1, 2, 1.0)})
-    proc = run([tool("fairseq-train"), tmp_path, "--user-dir", USER_DIR, "--task", "streaming_lm", "--arch",
-                "ts_lm_tiny", "--batch-size", "2", "--tokens-per-sample", "16", "--cpu", "--max-update", "1",
-                "--num-workers", "3", "--optimizer", "adam", "--save-dir", tmp_path / "ck"], check=False, timeout=300)
+def test_cli_fewer_documents_than_readers_is_one_line(refused) -> None:
+    proc = refused["few_documents"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last_error_line(proc) == (
         "fairseq-train: error: corpus 'c' has 2 document(s), fewer than the 3 readers (data-parallel size x "

@@ -11,7 +11,7 @@ import torch
 from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE, SentencepieceConfig
 
 from data_prep import train_spm
-from tests.helpers.cli_utils import json_logs, last_error_line, run, tool
+from tests.helpers.cli_utils import json_logs, last_error_line, run_many, tool
 from tests.helpers.stream_data import make_docs, make_stream_data, write_index, write_shard
 from tests.tasks.conftest import USER_DIR, batches
 from torchscale_fairseq.data.span_masking import span_mask_positions
@@ -145,18 +145,23 @@ def test_train_spm_never_overwrites(tmp_path: Path) -> None:
 
 
 def test_fairseq_train_ts_mlm_on_the_stream(tmp_path: Path) -> None:
-    make_stream_data(tmp_path, {"a": (2, 20, 1.0), "b": (1, 20, 0.5)}, valid_docs=10)
-    with_spm(tmp_path)
-    args = [tool("fairseq-train"), tmp_path, "--user-dir", USER_DIR, "--task", "streaming_mlm", "--arch", "ts_mlm_tiny",
-            "--criterion", "masked_lm", "--tokens-per-sample", "32", "--optimizer", "adam", "--lr", "1e-3",
-            "--batch-size", "4", "--batches-per-epoch", "3", "--max-update", "6", "--num-workers", "2", "--cpu",
-            "--save-dir", tmp_path / "ck", "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "1"]
-    proc = run(args)
+    """A training run, and beside it (``run_many``) the same command on the same stream without its
+    ``spm.model``, refused in one line."""
+    corpora = {"a": (2, 20, 1.0), "b": (1, 20, 0.5)}
+    data, no_model = (make_stream_data(tmp_path / name, corpora, valid_docs=10) for name in ("data", "no-model"))
+    with_spm(data)
+
+    def train(root: Path) -> list:
+        return [tool("fairseq-train"), root, "--user-dir", USER_DIR, "--task", "streaming_mlm", "--arch", "ts_mlm_tiny",
+                "--criterion", "masked_lm", "--tokens-per-sample", "32", "--optimizer", "adam", "--lr", "1e-3",
+                "--batch-size", "4", "--batches-per-epoch", "3", "--max-update", "6", "--num-workers", "2", "--cpu",
+                "--save-dir", root / "ck", "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "1"]
+
+    proc, bad = run_many([train(data), train(no_model)], check=False)
+    assert proc.returncode == 0, proc.stderr[-5000:]
     log = proc.stderr + proc.stdout
-    train, valid = json_logs(log, "train_inner"), json_logs(log, "valid")
-    assert len(train) == 6 and all(0 < float(r["loss"]) < 20 for r in train)
+    train_log, valid = json_logs(log, "train_inner"), json_logs(log, "valid")
+    assert len(train_log) == 6 and all(0 < float(r["loss"]) < 20 for r in train_log)
     assert len(valid) == 2 and all(float(r["valid_loss"]) > 0 for r in valid)
-    assert (tmp_path / "ck" / "checkpoint_last.pt").is_file()
-    (tmp_path / "spm.model").unlink()
-    bad = run(args, check=False)
+    assert (data / "ck" / "checkpoint_last.pt").is_file()
     assert bad.returncode != 0 and "spm.model does not exist" in last_error_line(bad)
