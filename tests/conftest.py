@@ -1,6 +1,8 @@
 """Shared pytest fixtures: the repository root on ``sys.path`` (for ``data_prep``) and the
 tiny binarised corpora every CLI test reads; ``gpu``-marked tests are deselected, and said
-to be, where CUDA is not available (never skipped silently)."""
+to be, where CUDA is not available (never skipped silently). Each pytest process computes on
+one intra-op thread, as every process the suite starts does (``tests/helpers/cli_utils.py``):
+the suite runs one xdist worker per core, and a second thread per worker only waits for a core."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
+torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
 NO_CUDA = "deselected: no CUDA"
 _GPU_DESELECTED = pytest.StashKey[int]()

@@ -162,16 +162,6 @@ def tokens_of(d: Dictionary, batch: int, length: int, seed: int) -> torch.Tensor
     return tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for these tiny models, as the floor worker and every process the suite starts
-    have: with two, each operator waits for a second thread the suite's busy cores seldom run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def floor_worker(tmp_path_factory):
     """The floor-transformers worker, ended with the session."""
