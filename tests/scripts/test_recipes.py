@@ -125,7 +125,7 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
         assert "moe_entropy" in log.records["train_inner"][-1]
     if name == "lm_dense_full":  # DeepNorm, FSDP2 over 2 ranks; its checkpoint evaluates as any other
         text = (save / "train.log").read_text()
-        assert "'zero_sharding': 'full'" in text and "'backbone': 'deepnorm'" in text
+        assert "'zero_sharding': 'full'" in text and "'backbone': deepnorm" in text
     if name == "lm_long_context":
         text = (save / "train.log").read_text()
         assert all(f in text for f in ("'context_parallel_size': 2", "'sequence_parallel': True",
