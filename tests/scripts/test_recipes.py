@@ -141,6 +141,7 @@ def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name:
     save = runs[name]
     if name.endswith("mp2"):
         assert (save / "checkpoint_best-model_part-1.pt").is_file() and not (save / "checkpoint_best.pt").exists()
+        assert "'backbone': postln" in (save / "train.log").read_text()
     hyps = (save / "hyp_test.es").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 4
     scores = dict(line.split(" ", 1) for line in (save / "bleu_test.txt").read_text().splitlines())
