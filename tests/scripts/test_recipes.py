@@ -1,8 +1,10 @@
-"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), also at MP=2 (tensor
-parallel, gloo; MoE with experts replicated over the two parts), the dense LM at PP=2 (two
-pipeline stages; evaluate.sh merges them) and the long-context LM at its tiny CP=2 x MP=2 (its
-flags: context parallelism, --sequence-parallel, selective recomputation), then ts-plot-logs on the logs, and
-scripts/demo.sh at toy size on the same data (its baselines against sacrebleu and the formula)."""
+"""Every scripts/{lm,nmt}/*.sh recipe at SCALE=tiny on tiny data (3 updates), then its evaluate.sh: the
+dense LM with DeepNorm over 2 ranks at ZERO=full (FSDP2), the MoE LM at MP=2 (tensor parallel, gloo;
+experts replicated over the two parts; CLIP=vanilla), the dense LM at PP=2 (two pipeline stages;
+evaluate.sh merges them), the long-context LM at its tiny CP=2 x MP=2 (context parallelism,
+--sequence-parallel, selective recomputation), the dense Post-LN NMT at MP=2, and the MoE NMT
+(CLIP=sparse, one process) as scripts/demo.sh runs it at toy size on the same data beside its
+adaptive-softmax LM (its baselines against sacrebleu and the formula); then ts-plot-logs on the logs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,61 +26,91 @@ from torchscale_fairseq.cli import plot_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
+# Each knob of the recipes rides on one run (the one-process MoE NMT recipe is the demo's, below).
 TRAININGS = {
-    "lm_dense": ("lm/train_dense.sh", {"BACKBONE": "deepnorm", "LAYERS": "3"}),
-    "lm_moe": ("lm/train_moe.sh", {"EXPERTS": "2", "CLIP": "vanilla"}),
-    "nmt_dense": ("nmt/train_dense.sh", {"BACKBONE": "postln"}),
-    "nmt_moe": ("nmt/train_moe.sh", {"EXPERTS": "2", "CLIP": "sparse"}),
-    "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "sparse", "MP": "2"}),
-    "nmt_dense_mp2": ("nmt/train_dense.sh", {"MP": "2"}),
-    "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
-    "lm_dense_full": ("lm/train_dense.sh", {"ZERO": "full", "NPROC_PER_NODE": "2"}),
     "lm_long_context": ("lm/train_long_context.sh", {"CP": "2", "MP": "2"}),
+    "lm_dense_full": ("lm/train_dense.sh", {"BACKBONE": "deepnorm", "LAYERS": "3", "ZERO": "full",
+                                            "NPROC_PER_NODE": "2"}),
+    "lm_moe_mp2": ("lm/train_moe.sh", {"EXPERTS": "4", "CLIP": "vanilla", "MP": "2"}),
+    "nmt_dense_mp2": ("nmt/train_dense.sh", {"BACKBONE": "postln", "MP": "2"}),
+    "lm_dense_pp2": ("lm/train_dense.sh", {"LAYERS": "4", "PP": "2"}),
 }
+RECIPES_AT_ONCE = 3  # processes: 5 (CP x MP and its torchrun) + 3 + 3 beside the demo's
+DEMO_NMT = "nmt_moe"  # scripts/demo.sh's translation model: nmt/train_moe.sh (2 experts, SparseClip), nmt/evaluate.sh
 
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "VENV": str(VENV), "SCALE": "tiny", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
 
 
-def _start(script: str, **extra: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(ROOT / "scripts" / script)], env=_env(**extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _steps(*steps: tuple[str, dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """Run the scripts one after the other, up to the first that fails."""
+    done = []
+    for script, env in steps:
+        done.append(subprocess.run(["bash", str(ROOT / "scripts" / script)], env=_env(**env), capture_output=True,
+                                   text=True, timeout=900))
+        if done[-1].returncode != 0:
+            break
+    return done
 
 
-def _finish(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
-    outputs = {name: proc.communicate(timeout=900)[0] for name, proc in procs.items()}
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
-    return outputs
+def _demo_env(root: Path) -> dict[str, str]:
+    """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, installed venv reused."""
+    return dict(SKIP_INSTALL="1", DATA_DIR=str(root / "lm-bin"), SAVE_DIR=str(root / "demo_lm"), MAX_UPDATE="3",
+                TOKENS_PER_SAMPLE="16", BATCH_SIZE="4", VALIDATE_INTERVAL="3", LOG_INTERVAL="1", SAMPLE_LEN="4",
+                ARCH="ts_lm_tiny", NMT_DATA=str(root / "nmt-bin"), NMT_SAVE_DIR=str(root / DEMO_NMT),
+                NMT_MAX_UPDATE="3", NMT_EXPERTS="2", NMT_EMBED_DIM="32", NMT_FFN_DIM="64", NMT_MAX_TOKENS="512",
+                NMT_BEAM="1", PLOT_DIR=str(root / "demo_plots"))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny LM and NMT data, the four training recipes run side by side, then the two evaluations each."""
-    root = tmp_path_factory.mktemp("scripts")
+def _prepare_lm(root: Path) -> None:
     docs = "\n\n".join(f"{EN[i]}\n{EN[i + 1]} {EN[i + 2]}" for i in range(0, 57, 3))
     (root / "lm.txt").write_text(docs + "\n", encoding="utf-8")
     prepare_lm.main(["--train-text", str(root / "lm.txt"), "--out-dir", str(root / "lm-bin"), "--workers", "1",
                      "--valid-fraction", "0.1", "--test-fraction", "0.1"])
+
+
+def _prepare_nmt(root: Path) -> None:
     (root / "all.en").write_text("\n".join(EN) + "\n", encoding="utf-8")
     (root / "all.es").write_text("\n".join(ES) + "\n", encoding="utf-8")
     prepare_nmt.main(["--train-src", str(root / "all.en"), "--train-tgt", str(root / "all.es"), "--out-dir",
                       str(root / "nmt-bin"), "--valid-size", "5", "--test-size", "4", "--vocab-size", "120",
                       "--workers", "1"])
-    saves = {name: root / name for name in TRAININGS}
-    common = {"MAX_UPDATE": "3", "LOG_INTERVAL": "1"}
-    data = {name: str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")) for name in TRAININGS}
-    _finish({name: _start(script, DATA=data[name], SAVE_DIR=str(saves[name]),
-                          **common, **extra) for name, (script, extra) in TRAININGS.items()})
-    _finish({name: _start(f"{name.split('_')[0]}/evaluate.sh", DATA=data[name], SAVE_DIR=str(saves[name]), BEAM="1",
-                          MAX_LEN_B="8", MP=extra.get("MP", "1"))
-             for name, (_, extra) in TRAININGS.items()})
-    return saves
 
 
-@pytest.mark.parametrize("name", ["lm_dense", "lm_moe", "lm_moe_mp2", "lm_dense_pp2", "lm_dense_full",
-                                  "lm_long_context"])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny LM and NMT data prepared side by side, then the demo and the recipes (each evaluated as soon as
+    it is trained); the demo's stdout is kept in demo.out."""
+    root = tmp_path_factory.mktemp("scripts")
+    jobs = {}
+    for name, (script, extra) in TRAININGS.items():
+        where = {"DATA": str(root / ("lm-bin" if name.startswith("lm") else "nmt-bin")), "SAVE_DIR": str(root / name)}
+        jobs[name] = ((script, {**where, "MAX_UPDATE": "3", "LOG_INTERVAL": "1", **extra}),
+                      (f"{name.split('_')[0]}/evaluate.sh", {**where, "BEAM": "1", "MAX_LEN_B": "8",
+                                                             "MP": extra.get("MP", "1")}))
+    jobs["demo"] = (("demo.sh", _demo_env(root)),)
+    # the demo (the longest chain: two trainings, then ten steps one after the other) starts with the data;
+    # the recipes go RECIPES_AT_ONCE at a time, the largest first, each evaluated as soon as it is trained
+    with ThreadPoolExecutor(3) as pool, ThreadPoolExecutor(RECIPES_AT_ONCE) as recipes:
+        data = {"lm": pool.submit(_prepare_lm, root), "nmt": pool.submit(_prepare_nmt, root)}
+
+        def run(name: str) -> list[subprocess.CompletedProcess]:
+            for kind in (data if name == "demo" else [name.split("_")[0]]):
+                data[kind].result()
+            return _steps(*jobs[name])
+
+        demo = pool.submit(run, "demo")
+        done = {**dict(zip(TRAININGS, recipes.map(run, TRAININGS))), "demo": demo.result()}
+    for name, procs in done.items():
+        last = procs[-1]
+        assert last.returncode == 0, (f"{name}: {last.args[1]} exited {last.returncode}:\n"
+                                      f"{last.stdout[-3000:]}{last.stderr[-3000:]}")
+    (root / "demo.out").write_text(done["demo"][0].stdout)
+    return {name: root / name for name in [*TRAININGS, DEMO_NMT]}
+
+
+@pytest.mark.parametrize("name", ["lm_dense_full", "lm_moe_mp2", "lm_dense_pp2", "lm_long_context"])
 def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
     mp2 = ["checkpoint_best-model_part-0.pt", "checkpoint_best-model_part-1.pt"]
@@ -90,8 +123,9 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
     assert log.records["valid"][-1]["valid_num_updates"] == "3"
     if name.startswith("lm_moe"):
         assert "moe_entropy" in log.records["train_inner"][-1]
-    if name == "lm_dense_full":  # FSDP2 over 2 ranks; its checkpoint evaluates as any other
-        assert "'zero_sharding': 'full'" in (save / "train.log").read_text()
+    if name == "lm_dense_full":  # DeepNorm, FSDP2 over 2 ranks; its checkpoint evaluates as any other
+        text = (save / "train.log").read_text()
+        assert "'zero_sharding': 'full'" in text and "'backbone': deepnorm" in text
     if name == "lm_long_context":
         text = (save / "train.log").read_text()
         assert all(f in text for f in ("'context_parallel_size': 2", "'sequence_parallel': True",
@@ -102,11 +136,12 @@ def test_lm_recipes_train_and_report_perplexity(runs: dict[str, Path], name: str
     assert ppl == pytest.approx(2**loss2, rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["nmt_dense", "nmt_moe", "nmt_dense_mp2"])
+@pytest.mark.parametrize("name", ["nmt_moe", "nmt_dense_mp2"])
 def test_nmt_recipes_train_and_report_bleu_and_chrf(runs: dict[str, Path], name: str) -> None:
     save = runs[name]
     if name.endswith("mp2"):
         assert (save / "checkpoint_best-model_part-1.pt").is_file() and not (save / "checkpoint_best.pt").exists()
+        assert "'backbone': postln" in (save / "train.log").read_text()
     hyps = (save / "hyp_test.es").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 4
     scores = dict(line.split(" ", 1) for line in (save / "bleu_test.txt").read_text().splitlines())
@@ -129,7 +164,7 @@ def test_evaluating_parts_at_another_mp_is_one_line(runs: dict[str, Path]) -> No
 
 
 def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: Path) -> None:
-    logs = [str(runs[name] / "train.log") for name in TRAININGS]
+    logs = [str(runs[name] / "train.log") for name in [*TRAININGS, DEMO_NMT]]
     written = plot_logs.main([*logs, "--out-dir", str(tmp_path)])
     assert sorted(p.name for p in written) == ["clipping.png", "routing_entropy.png", "valid_ppl.png"]
     for path in written:
@@ -138,7 +173,7 @@ def test_plot_tool_writes_pngs_from_real_logs(runs: dict[str, Path], tmp_path: P
     clips = [float(r["clip"]) for r in log.records["train_inner"]]
     assert plot_logs.clipped_updates(log) == ([1.0, 2.0, 3.0], pytest.approx(
         [sum(clips[: i + 1]) / 100 for i in range(3)]))
-    dense = plot_logs.parse_log(runs["lm_dense"] / "train.log")
+    dense = plot_logs.parse_log(runs["lm_dense_full"] / "train.log")
     assert plot_logs.entropy_keys(dense) == []
 
 
@@ -149,20 +184,13 @@ def test_unigram_baseline_is_the_add_one_formula() -> None:
 
 
 def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path], capsys) -> None:
-    """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, installed venv reused."""
-    root = runs["lm_dense"].parent
-    env = _env(SKIP_INSTALL="1", DATA_DIR=str(root / "lm-bin"), SAVE_DIR=str(root / "demo_lm"), MAX_UPDATE="3",
-               TOKENS_PER_SAMPLE="16", BATCH_SIZE="4", VALIDATE_INTERVAL="3", LOG_INTERVAL="1", SAMPLE_LEN="4",
-               ARCH="ts_lm_tiny", NMT_DATA=str(root / "nmt-bin"), NMT_SAVE_DIR=str(root / "demo_nmt"),
-               NMT_MAX_UPDATE="3", NMT_EXPERTS="2", NMT_EMBED_DIM="32", NMT_FFN_DIM="64", NMT_MAX_TOKENS="512",
-               NMT_BEAM="1", PLOT_DIR=str(root / "demo_plots"))
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = dict(line.split(":", 1) for line in proc.stdout.split("demo summary")[1].splitlines() if ": " in line)
+    """scripts/demo.sh (adaptive-softmax LM, X-MoE NMT) on the tiny data, run by the fixture."""
+    root = runs[DEMO_NMT].parent
+    stdout = (root / "demo.out").read_text()
+    summary = dict(line.split(":", 1) for line in stdout.split("demo summary")[1].splitlines() if ": " in line)
     assert "adaptive input/softmax at 2000,10000, 3 updates" in summary["model"]
     unigram = unigram_ppl.main([str(root / "lm-bin"), "--subset", "valid"])
-    assert f"perplexity {unigram:.1f} for word frequencies alone" in proc.stdout
+    assert f"perplexity {unigram:.1f} for word frequencies alone" in stdout
     copy_bleu, copy_chrf = (round(m(EN[-4:], [ES[-4:]]).score, 2) for m in (sacrebleu.corpus_bleu, sacrebleu.corpus_chrf))
     assert f"BLEU {copy_bleu}, chrF {copy_chrf} for copying the English verse" in summary["baseline"]
     assert "nrefs:1" in summary["nmt test"]
@@ -172,12 +200,12 @@ def test_demo_runs_at_toy_size_and_prints_its_baselines(runs: dict[str, Path], c
     from data_prep.score_nmt import read_hypotheses
     from torchscale_fairseq.interop import hf_translate
 
-    [source, translation] = proc.stdout.split("through transformers: ")[1].splitlines()[:2]
+    [source, translation] = stdout.split("through transformers: ")[1].splitlines()[:2]
     assert source == EN[-4] and translation.startswith("          -> ") and translation.strip() != "->"
-    hf_translate.main(["--folder", str(root / "demo_nmt" / "hf"), "--data", str(root / "nmt-bin"), "--beam", "1",
+    hf_translate.main(["--folder", str(root / DEMO_NMT / "hf"), "--data", str(root / "nmt-bin"), "--beam", "1",
                        "--max-len-a", "1.2", "--max-len-b", "40", "--no-repeat-ngram-size", "3"])
     (root / "hf_generate.txt").write_text(capsys.readouterr().out)
-    assert read_hypotheses(root / "hf_generate.txt") == read_hypotheses(root / "demo_nmt" / "generate_test.txt")
+    assert read_hypotheses(root / "hf_generate.txt") == read_hypotheses(root / DEMO_NMT / "generate_test.txt")
     assert sorted(p.name for p in (root / "demo_plots").iterdir()) == ["clipping.png", "routing_entropy.png",
                                                                          "valid_ppl.png"]
 
