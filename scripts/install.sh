@@ -114,6 +114,22 @@ fi
 if [ -n "${NUMPY_SPEC:-}" ]; then
   echo "[install] $NUMPY_SPEC"
   "${PIP_INSTALL[@]}" "$NUMPY_SPEC"
+  # pip installs a numpy alone without revisiting what needs a newer one (on Python 3.12, scipy 1.18
+  # and contourpy 1.4 need numpy>=2 and fail to import on 1.26): resolve those again beside it.
+  numpy_conflicts() { "$VENV/bin/python" -m pip --disable-pip-version-check check 2>/dev/null | sed -nE 's/^([^ ]+) [^ ]+ has requirement numpy.*/\1/p'; }
+  mapfile -t NEED_OTHER_NUMPY < <(numpy_conflicts)
+  if [ "${#NEED_OTHER_NUMPY[@]}" -gt 0 ]; then
+    echo "[install] $NUMPY_SPEC with ${NEED_OTHER_NUMPY[*]} (they required another numpy)"
+    "${PIP_INSTALL[@]}" "$NUMPY_SPEC" "${NEED_OTHER_NUMPY[@]}"
+  fi
+  if [ -n "$(numpy_conflicts)" ]; then
+    echo "[install] error: $NUMPY_SPEC conflicts with $(numpy_conflicts | paste -sd' ') (pip check): choose another NUMPY_SPEC" >&2
+    exit 2
+  fi
+fi
+if ! INSTALLED="$("$VENV/bin/python" -c 'import torch, fairseq; print("torch", torch.__version__, "fairseq", fairseq.__version__)')"; then
+  echo "[install] error: torch or fairseq does not import in $VENV (traceback above): fix that package's version, or remove $VENV and rerun" >&2
+  exit 1
 fi
 echo "$HASH" > "$STAMP"
-echo "[install] done: $("$VENV/bin/python" -c 'import torch, fairseq; print("torch", torch.__version__, "fairseq", fairseq.__version__)')"
+echo "[install] done: $INSTALLED"
