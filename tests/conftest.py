@@ -83,3 +83,20 @@ def mt_data(tmp_path_factory) -> Path:
     from tests.helpers.cli_utils import make_mt_data
 
     return make_mt_data(tmp_path_factory.mktemp("mt"))
+
+
+@pytest.fixture
+def aot_eager_layers(monkeypatch):
+    """``--ts-compile``'s layers compiled with the ``aot_eager`` backend: dynamo and AOTAutograd trace
+    forward and backward as inductor does, without its code generation (minutes on a CPU); the compiled
+    function and dynamo's caches are fresh before and dropped after."""
+    import functools
+
+    from torchscale_fairseq.architecture.layer import _compiled_forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    _compiled_forward.cache_clear()
+    torch._dynamo.reset()
+    yield
+    _compiled_forward.cache_clear()
+    torch._dynamo.reset()

@@ -5,8 +5,6 @@ compared: Adam turns rounding-level differences of near-zero gradients into step
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch._dynamo.utils import counters
 
@@ -91,14 +89,32 @@ def test_batch_size_and_right_padding_compile_once():
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
-def test_moe_layers_compile_without_graph_breaks(monkeypatch):
+def _grouped_bf16(model):
+    """Experts on grouped GEMMs in bf16, as on a Hopper GPU (no host read of the counts, no graph break)."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.grouped_mm = True
+    return model.bfloat16()
+
+
+def _compiled_run(model, steps) -> dict:
+    """dynamo's counters after ``steps`` (callables of the model) from a clean cache, aot_eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for step in steps:
+            step(model)
+    finally:
+        _compiled_forward.cache_clear()
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])}
+
+
+def test_moe_layers_compile_without_graph_breaks(aot_eager_layers):
     """An X-MoE ``ts_lm`` at expert-parallel size 1 whose experts run grouped GEMMs (as on a Hopper GPU
     in bf16; forced here, in bf16, which ``torch._grouped_mm``'s tracing requires) compiles each layer,
     MoE layers included, without a graph break: routing, capacity, balance loss, statistics and dispatch
     keep fixed shapes (issue 26 item 2), through batch-size changes and padding; losses equal eager.
     The ``aot_eager`` backend traces forward and backward as inductor does, without its code generation."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    _compiled_forward.cache_clear()
     torch.set_num_threads(1)
     d = dictionary()
     g = torch.Generator().manual_seed(0)
@@ -108,16 +124,10 @@ def test_moe_layers_compile_without_graph_breaks(monkeypatch):
     sizes = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, moe_expert_count=4, moe_freq=1,
                  moe_second_expert_policy="all")
 
-    def grouped(model):
-        for module in model.modules():
-            if isinstance(module, GroupedExperts):
-                module.grouped_mm = True
-        return model.bfloat16()
-
     torch.manual_seed(1)
-    eager = grouped(build("lm", d, **sizes))
+    eager = _grouped_bf16(build("lm", d, **sizes))
     torch.manual_seed(1)
-    compiled = grouped(build("lm", d, **sizes, ts_compile=True))
+    compiled = _grouped_bf16(build("lm", d, **sizes, ts_compile=True))
 
     def losses(model) -> list[float]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -136,9 +146,62 @@ def test_moe_layers_compile_without_graph_breaks(monkeypatch):
     expected = losses(eager)
     torch._dynamo.reset()
     counters.clear()
-    try:
-        got = losses(compiled)
-    finally:
-        _compiled_forward.cache_clear()
+    got = losses(compiled)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert got == expected
+
+
+def test_moe_layers_share_one_graph_at_any_depth(aot_eager_layers):
+    """Regional compilation compiles the MoE layer once, not once per layer: one MoE layer and three
+    make as many graphs over the same batches, and each layer's auxiliary output keeps its own tag
+    (set outside the graph: a tag read inside it is guarded by value, one recompilation per layer,
+    and past dynamo's recompile limit the deeper layers ran eager)."""
+    torch.set_num_threads(1)
+    d = dictionary()
+    tokens = torch.randint(d.nspecial, len(d), (4, 17), generator=torch.Generator().manual_seed(0))
+    tags: list[list[str]] = []
+
+    def train(model):
+        logits, extra = model(tokens[:, :-1])
+        logits.float().sum().backward()
+        tags.append([aux.tag for aux in extra["moe"]])
+
+    runs = {}
+    for layers in (1, 3):
+        model = _grouped_bf16(build("lm", d, decoder_layers=layers, decoder_embed_dim=32, decoder_ffn_embed_dim=64,
+                                    moe_expert_count=4, moe_freq=1, ts_compile=True))
+        runs[layers] = _compiled_run(model, [train, train])
+        assert tags[-1] == [f"dec{i}" for i in range(layers)]
+    assert runs[1]["graphs"] >= 1 and runs[3] == runs[1], runs
+
+
+def test_moe_translation_layers_all_run_compiled(aot_eager_layers):
+    """An MoE translation model's layers are four kinds (dense or MoE, encoder or decoder), each compiled
+    for training and for validation, with static and then dynamic lengths: more cache entries of the one
+    compiled function than dynamo's default recompile limit (8), past which a layer runs eager. Every
+    frame compiles (``COMPILED_LAYER_ENTRIES``) through training and validation at three batch shapes."""
+    torch.set_num_threads(1)
+    d = dictionary()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 11, 13), (3, 15, 9), (5, 7, 17)]  # (sentences, source length, target length)
+    batches = [(torch.randint(d.nspecial, len(d), (n, s), generator=g), torch.full((n,), s),
+                torch.randint(d.nspecial, len(d), (n, t), generator=g)) for n, s, t in shapes]
+    torch.manual_seed(1)
+    model = _grouped_bf16(build("mt", d, encoder_layers=1, decoder_layers=1, encoder_embed_dim=32,
+                                decoder_embed_dim=32, encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64,
+                                moe_expert_count=4, moe_freq=1, ts_compile=True))
+
+    def step(batch):
+        def run(model):
+            model.train()
+            logits, extra = model(*batch)
+            logits.float().sum().backward()
+            assert [aux.tag for aux in extra["moe"]] == ["enc0", "dec0"]
+            model.eval()
+            with torch.no_grad():
+                model(*batch)
+        return run
+
+    run = _compiled_run(model, [step(batch) for batch in batches])
+    assert run["frames"]["total"] == run["frames"]["ok"] > 8, run
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -121,9 +121,14 @@ class TransformerLayer(nn.Module):
                               None, 0, memo, self_attn_mask, ring_document_ids, use_reentrant=False,
                               context_fn=checkpoint_context)
         # decoding runs eager: its KV-cache dict changes every step (a recompile per step and layer)
-        fn = _compiled_forward() if self.compiled and incremental_state is None else TransformerLayer._forward
-        return fn(self, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
-                  incremental_state, offset, None, self_attn_mask, ring_document_ids)
+        if not self.compiled or incremental_state is not None:
+            return self._forward(x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
+                                 incremental_state, offset, None, self_attn_mask, ring_document_ids)
+        x, aux = _compiled_forward()(self, x, padding_mask, causal, self_attn_bias, memory, memory_padding_mask,
+                                     None, offset, None, self_attn_mask, ring_document_ids)
+        if aux is not None:  # named here: the layer's tag read inside the graph would recompile it per layer
+            aux.tag = self.ffn.tag
+        return x, aux
 
     def _forward(
         self,
@@ -171,7 +176,14 @@ def wrap_layer(layer: nn.Module, cfg: StackConfig) -> nn.Module:
     return layer
 
 
+# Cache entries of the one compiled function: each kind of layer (dense or MoE FFN, encoder or decoder)
+# in training and in validation, with static and then dynamic lengths: 16 for an MoE translation model,
+# past dynamo's default 8, beyond which the layers of a new entry would run eager.
+COMPILED_LAYER_ENTRIES = 64
+
+
 @functools.cache
 def _compiled_forward():
     """``TransformerLayer._forward`` compiled once for all layers (``self`` is an argument)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_LAYER_ENTRIES)
     return torch.compile(TransformerLayer._forward)

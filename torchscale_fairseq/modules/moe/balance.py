@@ -48,15 +48,16 @@ class RoutingStats:
 @dataclass
 class MoEAux:
     """What one MoE layer's forward returns beside its output (TorchScale's ``l_aux``):
-    its ``tag``, the ``balance_loss`` and the router ``z_loss`` (scalar tensors), the routing
-    ``stats`` and the :class:`~.aux_loss.AuxLossScale` its losses were differentiated with
-    (``None``: none set), whose sample sizes weigh the logged figures."""
+    the ``balance_loss`` and the router ``z_loss`` (scalar tensors), the routing ``stats``, the
+    :class:`~.aux_loss.AuxLossScale` its losses were differentiated with (``None``: none set),
+    whose sample sizes weigh the logged figures, and the layer's ``tag``, set outside compiled
+    code (a string a compiled graph reads is guarded by value: one recompilation per layer)."""
 
-    tag: str
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
     stats: RoutingStats
     scale: AuxLossScale | None = None
+    tag: str = ""
 
 
 def _real_weights(rows: int, real: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,8 @@ class MoELayer(nn.Module):
         if split:
             x = gather_from_sequence_parallel_region(x, self.sequence_group)
         out, aux = self._forward(x, padding_mask, incremental, memo)
+        if not torch.compiler.is_compiling():  # compiled, the transformer layer tags it after the graph
+            aux.tag = self.tag
         return (scatter_to_sequence_parallel_region(out, self.sequence_group) if split else out), aux
 
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None, incremental: bool,
@@ -260,7 +262,7 @@ class MoELayer(nn.Module):
         scale = memo.scale if replay else self.aux_loss_scale
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
-        aux = MoEAux(self.tag, loss, router_z_loss(scores, real, micro_tokens), stats, scale)
+        aux = MoEAux(loss, router_z_loss(scores, real, micro_tokens), stats, scale)
         out = self.dispatch_combine(tokens, routing, memo)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
