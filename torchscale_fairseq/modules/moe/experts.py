@@ -194,7 +194,8 @@ class ScatterGroupedLinear(torch.autograd.Function):
         y = groups.mask(torch._grouped_mm(h, weight, offs=groups.offs) + bias[groups.expert])
         ctx.save_for_backward(h, weight, y, index, gate)
         ctx.groups, ctx.grouped = groups, True
-        return y.new_zeros(num_tokens, y.size(1)).index_add_(0, index, y * gate.unsqueeze(1))
+        # out of place: an in-place index_add_ as the output reaches a compiled backward as zero gradients (torch 2.11)
+        return y.new_zeros(num_tokens, y.size(1)).index_add(0, index, y * gate.unsqueeze(1))
 
     @staticmethod
     @once_differentiable
