@@ -177,8 +177,8 @@ def wrap_layer(layer: nn.Module, cfg: StackConfig) -> nn.Module:
 
 
 # Cache entries of the one compiled function: each kind of layer (dense or MoE FFN, encoder or decoder)
-# in training and in validation, with static and then dynamic lengths: 16 for an MoE translation model,
-# past dynamo's default 8, beyond which the layers of a new entry would run eager.
+# in training and in validation, with static and then dynamic lengths: more than dynamo's default 8 for
+# an MoE translation model (benchmarks/compile_entries.py), past which a new entry's layers would run eager.
 COMPILED_LAYER_ENTRIES = 64
 
 
