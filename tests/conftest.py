@@ -85,18 +85,30 @@ def mt_data(tmp_path_factory) -> Path:
     return make_mt_data(tmp_path_factory.mktemp("mt"))
 
 
-@pytest.fixture
-def aot_eager_layers(monkeypatch):
-    """``--ts-compile``'s layers compiled with the ``aot_eager`` backend: dynamo and AOTAutograd trace
-    forward and backward as inductor does, without its code generation (minutes on a CPU); the compiled
-    function and dynamo's caches are fresh before and dropped after."""
+def _layers_compiled_with(monkeypatch, backend: str):
+    """``--ts-compile``'s layers compiled with ``backend``; the compiled function and dynamo's caches
+    are fresh before and dropped after."""
     import functools
 
     from torchscale_fairseq.architecture.layer import _compiled_forward
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     _compiled_forward.cache_clear()
     torch._dynamo.reset()
     yield
     _compiled_forward.cache_clear()
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def aot_eager_layers(monkeypatch):
+    """``--ts-compile``'s layers on the ``aot_eager`` backend: dynamo and AOTAutograd trace forward and
+    backward as inductor does, without its code generation (minutes on a CPU)."""
+    yield from _layers_compiled_with(monkeypatch, "aot_eager")
+
+
+@pytest.fixture
+def dynamo_only_layers(monkeypatch):
+    """``--ts-compile``'s layers on the ``eager`` backend: dynamo's graphs, guards and cache entries as
+    with any backend, run as traced (for tests of what compiles, not of compiled numerics)."""
+    yield from _layers_compiled_with(monkeypatch, "eager")

@@ -98,7 +98,7 @@ def _grouped_bf16(model):
 
 
 def _compiled_run(model, steps) -> dict:
-    """dynamo's counters after ``steps`` (callables of the model) from a clean cache, aot_eager."""
+    """dynamo's counters after ``steps`` (callables of the model) from a clean cache."""
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -151,7 +151,7 @@ def test_moe_layers_compile_without_graph_breaks(aot_eager_layers):
     assert got == expected
 
 
-def test_moe_layers_share_one_graph_at_any_depth(aot_eager_layers):
+def test_moe_layers_share_one_graph_at_any_depth(dynamo_only_layers):
     """Regional compilation compiles the MoE layer once, not once per layer: one MoE layer and three
     make as many graphs over the same batches, and each layer's auxiliary output keeps its own tag
     (set outside the graph: a tag read inside it is guarded by value, one recompilation per layer,
@@ -175,7 +175,7 @@ def test_moe_layers_share_one_graph_at_any_depth(aot_eager_layers):
     assert runs[1]["graphs"] >= 1 and runs[3] == runs[1], runs
 
 
-def test_moe_translation_layers_all_run_compiled(aot_eager_layers):
+def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
     """An MoE translation model's layers are four kinds (dense or MoE, encoder or decoder), each compiled
     for training and for validation, with static and then dynamic lengths: more cache entries of the one
     compiled function than dynamo's default recompile limit (8), past which a layer runs eager. Every
