@@ -1,6 +1,6 @@
 """Run fairseq-train with NaN gradients injected at one update; print per-step records.
 
-Usage: python inject_nonfinite.py STEP <fairseq-train args...>
+Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at every call from STEP on)
 Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
 checksum of the parameters and the fp16 loss scale before and after the call.
 """
@@ -14,7 +14,8 @@ from fairseq_cli.train import cli_main
 import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
 from torchscale_fairseq.integration.trainer import TsTrainer
 
-INJECT_AT = int(sys.argv.pop(1))
+_AT = sys.argv.pop(1)
+INJECT_AT, INJECT_ON = int(_AT.rstrip("+")), _AT.endswith("+")
 _calls = {"n": 0}
 _task_train_step = FairseqTask.train_step
 _trainer_train_step = TsTrainer.train_step
@@ -22,9 +23,13 @@ _trainer_train_step = TsTrainer.train_step
 
 def task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
     out = _task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
-    if _calls["n"] == INJECT_AT:
+    if _injected():
         next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
     return out
+
+
+def _injected() -> bool:
+    return _calls["n"] == INJECT_AT or (INJECT_ON and _calls["n"] > INJECT_AT)
 
 
 def _checksum(trainer) -> float:
@@ -40,7 +45,7 @@ def trainer_train_step(self, samples, raise_oom=False):
     before = (self.get_num_updates(), _checksum(self), _scale(self))
     out = _trainer_train_step(self, samples, raise_oom)
     after = (self.get_num_updates(), _checksum(self), _scale(self))
-    print("STEP " + json.dumps({"call": _calls["n"], "injected": _calls["n"] == INJECT_AT, "before": before,
+    print("STEP " + json.dumps({"call": _calls["n"], "injected": _injected(), "before": before,
                                 "after": after}), flush=True)
     _calls["n"] += 1
     return out

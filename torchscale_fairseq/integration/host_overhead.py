@@ -1,5 +1,6 @@
 """What keeps the host from idling the device during a training step: no garbage-collector pause
-inside the step, and a per-step logging output reduced only when read."""
+inside the step, a per-step logging output reduced only when read, and (``--ts-sync-free-step``)
+non-finite updates skipped on the device rather than tested on the host."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import contextlib
 import gc
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+import torch
+
+from torchscale_fairseq.errors import TsConfigError
 
 
 @contextlib.contextmanager
@@ -47,3 +52,58 @@ class LazyLoggingOutput(Mapping):
 
     def __len__(self) -> int:
         return len(self._read())
+
+
+def check_sync_free_step(cfg: Any) -> None:
+    """``--ts-sync-free-step``'s one-line refusals before anything is built."""
+    common = cfg.common
+    if common.fp16 or common.memory_efficient_fp16 or common.amp:
+        raise TsConfigError("--ts-sync-free-step: fp16's loss scaler reads every update's overflow on the host: train "
+                            "in fp32 or --bf16, or drop --ts-sync-free-step")
+    sharding = cfg.distributed_training.zero_sharding
+    if sharding != "none":
+        raise TsConfigError(f"--ts-sync-free-step with --zero-sharding {sharding} is not supported yet: drop one of "
+                            "them")
+
+
+def fused_adam(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside fairseq optimizer ``optimizer``, which must be torch's fused
+    Adam or AdamW: its kernel skips an update where ``found_inf`` is 1 (parameters, moments and
+    step count unchanged), as ``torch.amp.GradScaler`` drives it."""
+    inner = getattr(optimizer, "optimizer", None)
+    if not (isinstance(inner, torch.optim.Adam) and inner.defaults.get("fused")):
+        raise TsConfigError(
+            "--ts-sync-free-step skips a non-finite update inside torch's fused Adam kernel, and this run's optimizer "
+            f"step is {type(inner).__name__}: use --optimizer ts_adamw (fused, the default where torch has the kernel; "
+            "without --zero-sharding) or drop --ts-sync-free-step"
+        )
+    return inner
+
+
+class DeviceSkips:
+    """Updates skipped on the device (``--ts-sync-free-step``): each update's gradient norm sets the
+    fused optimizer's ``found_inf`` (1 where the norm is not finite) with no host read, and the
+    counts (skips in a row, the longest run and the number of skips since the last report) stay on
+    the device until :meth:`report` reads them, one host sync per report."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.counts: torch.Tensor | None = None  # (skips in a row now, longest run, skips) since the last report
+
+    def mark(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Have the optimizer skip this update where ``grad_norm`` is not finite; returns
+        whether the update applies (1) or not (0), on the device."""
+        skip = (~torch.isfinite(grad_norm)).float()
+        self.optimizer.found_inf = skip
+        counts = self.counts if self.counts is not None else torch.zeros(3, device=skip.device)
+        run = (counts[0] + 1) * skip
+        self.counts = torch.stack([run, torch.maximum(counts[1], run), counts[2] + skip])
+        return 1.0 - skip
+
+    def report(self) -> tuple[int, int]:
+        """(skips since the last report, the longest run of skips in a row among them): a host read."""
+        if self.counts is None:
+            return 0, 0
+        run, longest, skipped = (int(v) for v in self.counts.tolist())
+        self.counts = self.counts.new_tensor([run, run, 0])
+        return skipped, longest

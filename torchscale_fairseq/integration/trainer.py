@@ -20,7 +20,9 @@
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
-  ``--max-skipped-updates`` skips in a row training stops with one line;
+  ``--max-skipped-updates`` skips in a row training stops with one line; under
+  ``--ts-sync-free-step`` the fused optimizer kernel skips it on the device, the update is
+  counted, and skips are read every ``--log-interval`` updates (:class:`.host_overhead.DeviceSkips`);
 - an MoE model with a criterion that ignores the balance loss is refused before any step
   (:mod:`torchscale_fairseq.criterions.balance_check`);
 - expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
@@ -79,7 +81,13 @@ from torchscale_fairseq.integration.bf16_device import bf16_without_tpu
 from torchscale_fairseq.integration.clip_grad_norm import use_parallel_context
 from torchscale_fairseq.integration.context_parallel_batches import context_parallel_sample
 from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
-from torchscale_fairseq.integration.host_overhead import LazyLoggingOutput, no_gc_pause
+from torchscale_fairseq.integration.host_overhead import (
+    DeviceSkips,
+    LazyLoggingOutput,
+    check_sync_free_step,
+    fused_adam,
+    no_gc_pause,
+)
 from torchscale_fairseq.integration.pipeline_step import ScheduledTrainer, check_pipeline_run
 from torchscale_fairseq.integration.tensor_parallel_init import multi_process_error
 from torchscale_fairseq.model_parallel.attributes import copy_parallel_attributes, is_expert
@@ -107,6 +115,9 @@ from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_s
 logger = logging.getLogger(__name__)
 
 PIPELINE_SEED_STRIDE = 100  # seed + stride x pipeline rank (Megatron-LM's model_parallel_cuda_manual_seed)
+# What fairseq's train_step reads of a sync-free step's norm (its isfinite test, a host read): a host value, so
+# it waits for nothing; the device's norm is logged and decides the update on the device (DeviceSkips)
+HOST_NORM = torch.zeros(())
 
 
 @contextlib.contextmanager
@@ -136,6 +147,13 @@ def _building(module: Any, name: str, value: Any) -> Iterator[None]:
 
 class SkippedUpdate(Exception):
     """The update is skipped (non-finite gradient norm or fp16 overflow)."""
+
+
+def _too_many_skips(in_a_row: int, updates: int) -> TsConfigError:
+    return TsConfigError(
+        f"{in_a_row} updates in a row skipped for a non-finite gradient norm (after update {updates}): lower --lr, "
+        "add warm-up or --clip-norm, check the data, or raise --max-skipped-updates"
+    )
 
 
 def carry_parallel_attributes(optimizer: Any) -> None:
@@ -191,6 +209,9 @@ class TsTrainer(ScheduledTrainer):
                 "--context-parallel-size 1"
             )
         check_foreign_flags(cfg.optimizer)
+        self.sync_free = bool(getattr(cfg.model, "ts_sync_free_step", False))
+        if self.sync_free:
+            check_sync_free_step(cfg)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
         check_fully_sharded(cfg, self.parallel.data_context_size, self.parallel.pipeline_size,
@@ -206,6 +227,9 @@ class TsTrainer(ScheduledTrainer):
             super().__init__(cfg, task, model, criterion, quantizer, **kwargs)
         self._gathered_model_state = None  # --zero-sharding full: consolidate_optimizer's gathered model
         self.skipped_in_a_row = 0
+        self.device_skips: DeviceSkips | None = None  # --ts-sync-free-step: built with the optimizer
+        self._step_norm: torch.Tensor | None = None  # the device's norm of a sync-free step
+        self._applied: torch.Tensor | None = None  # whether its update applied (device 0/1)
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
 
     # data parallelism -------------------------------------------------------------
@@ -292,6 +316,8 @@ class TsTrainer(ScheduledTrainer):
                                   consolidate_to_all=self.is_expert_sharded)
         if self.fully_sharded:  # checkpoints hold full moments: each rank keeps its shard
             self._optimizer.optimizer.register_load_state_dict_post_hook(shard_loaded_optimizer_state)
+        if self.sync_free:
+            self.device_skips = DeviceSkips(fused_adam(_inner_optimizer(self._optimizer)))
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         # fairseq calls this once per update, after the data-parallel all-reduce
@@ -303,9 +329,20 @@ class TsTrainer(ScheduledTrainer):
             self._log_norm_parts(factor)
             raise SkippedUpdate(str(e)) from e
         self._log_norm_parts(factor)
+        if self.device_skips is not None:
+            self._step_norm, self._applied = norm, self.device_skips.mark(norm)
+            return HOST_NORM
         if not self.cfg.common.amp and not bool(torch.isfinite(norm).all()):
             raise SkippedUpdate(f"non-finite gradient norm {float(norm)}: update skipped")
         return norm
+
+    def _check_grad_norms(self, grad_norm):
+        """fairseq's check that the data-parallel ranks' norms agree (CUDA, more than one rank: a
+        host read), of the device's norm on a sync-free step, a non-finite one as 0 (every rank
+        skips that update alike)."""
+        if self.device_skips is not None:
+            grad_norm = torch.nan_to_num(self._step_norm, nan=0.0, posinf=0.0, neginf=0.0)
+        super()._check_grad_norms(grad_norm)
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         """fairseq's, without its host syncs in a training step, so the host can queue the next
@@ -313,6 +350,8 @@ class TsTrainer(ScheduledTrainer):
         one skipped the update in :meth:`clip_grad_norm`), so fairseq's second ``isfinite`` test is
         not repeated; and the per-step return value, which fairseq-train does not read (it logs
         the meters every ``--log-interval``), is reduced only when read (:class:`LazyLoggingOutput`)."""
+        if grad_norm is not None and self.device_skips is not None:
+            grad_norm = self._step_norm  # not finite where the update was skipped on the device
         if grad_norm is None or self.tpu or self.cfg.common.amp:  # --amp may reach here with a non-finite norm
             return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
         metrics.log_speed("ups", 1.0, priority=100, round=2)
@@ -357,10 +396,23 @@ class TsTrainer(ScheduledTrainer):
         self.skipped_in_a_row = 0
         if self.get_num_updates() > updates:  # --moe-router-bias-update-rate: after the optimizer step
             update_expert_biases(self._model, self.data_parallel_process_group if self.data_parallel_world_size > 1
-                                 else None)
+                                 else None, self._applied if self.device_skips is not None else None)
         else:
             discard_expert_loads(self._model)
+        if self.device_skips is not None and self.get_num_updates() % max(1, self.cfg.common.log_interval) == 0:
+            self._report_device_skips()
         return logging_output
+
+    def _report_device_skips(self) -> None:
+        """The sync-free step's skips since the last report (one host read): a log line, and
+        ``--max-skipped-updates`` in a row stop training."""
+        skipped, longest = self.device_skips.report()
+        if skipped:
+            logger.info(f"NOTE: {skipped} update(s) before update {self.get_num_updates()} had a non-finite gradient "
+                        "norm and were skipped on the device (counted as updates)")
+        limit = getattr(self.cfg.model, "max_skipped_updates", MAX_SKIPPED_UPDATES)
+        if 0 < limit <= longest:
+            raise _too_many_skips(longest, self.get_num_updates())
 
     def _skip_update(self, reason: str) -> None:
         """fairseq's overflow path: no update counted, no parameter changed."""
@@ -379,11 +431,7 @@ class TsTrainer(ScheduledTrainer):
             self.skipped_in_a_row += 1
             limit = getattr(self.cfg.model, "max_skipped_updates", MAX_SKIPPED_UPDATES)
             if 0 < limit <= self.skipped_in_a_row:
-                raise TsConfigError(
-                    f"{self.skipped_in_a_row} updates in a row skipped for a non-finite gradient norm (after update "
-                    f"{self.get_num_updates()}): lower --lr, add warm-up or --clip-norm, check the data, or raise "
-                    "--max-skipped-updates"
-                )
+                raise _too_many_skips(self.skipped_in_a_row, self.get_num_updates())
         return None
 
     # checkpoints --------------------------------------------------------------------

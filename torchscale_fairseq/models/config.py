@@ -147,6 +147,13 @@ class TsCommonConfig(TsMoEConfig):
         metadata={"help": "stop training after this many updates in a row are skipped for a non-finite gradient "
                           "norm (fp32/bf16; fp16 stops at --min-loss-scale); 0 = never"},
     )
+    ts_sync_free_step: bool = field(
+        default=False,
+        metadata={"help": "no host sync in the training step: an update whose gradient norm is not finite is "
+                          "skipped on the device by the fused optimizer kernel and counted as an update; skips and "
+                          "--max-skipped-updates are checked every --log-interval updates (--optimizer ts_adamw "
+                          "with its fused kernel; fp32 or --bf16)"},
+    )
 
 
 @dataclass

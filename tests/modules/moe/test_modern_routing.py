@@ -149,6 +149,14 @@ def test_bias_update_follows_its_rule_after_the_update():
     layer.train()(batches[0])
     discard_expert_loads(model)  # a skipped update
     assert layer.expert_load.sum() == 0
+    moved = layer.expert_bias.clone()
+    layer.train()(batches[0])
+    update_expert_biases(model, None, applied=torch.tensor(0.0))  # skipped on the device (--ts-sync-free-step)
+    assert torch.equal(layer.expert_bias, moved) and layer.expert_load.sum() == 0
+    layer.train()(batches[1])
+    load = layer.expert_load.float().clone()
+    update_expert_biases(model, None, applied=torch.tensor(1.0))
+    torch.testing.assert_close(layer.expert_bias, moved + rate * torch.sign(load.mean() - load))
     assert "expert_bias" in layer.state_dict() and "expert_load" not in layer.state_dict()
 
 

@@ -110,12 +110,14 @@ def check_generation(models: Iterable[nn.Module]) -> None:
             raise TsConfigError(EXPERT_CHOICE_DECODING)
 
 
-def update_expert_biases(model: nn.Module, data_parallel_group: object | None) -> None:
+def update_expert_biases(model: nn.Module, data_parallel_group: object | None,
+                         applied: torch.Tensor | None = None) -> None:
     """Auxiliary-loss-free balancing after an update (DeepSeek-V3, section 2.1.2): each MoE layer's
     ``expert_bias`` moves by ``rate * sign(mean load - load_e)``, ``load_e`` the assignments its
     router asked of expert ``e`` (before capacity dropping) over the update's training tokens of
     every rank in ``data_parallel_group`` (one all-reduce for all layers), so the biases stay equal
-    on every rank; the counts start again from zero."""
+    on every rank; the counts start again from zero. ``applied`` (a device 0/1): whether the
+    optimizer applied the update (a skipped update moves no bias), known on the device only."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
     if not layers:
         return
@@ -123,7 +125,8 @@ def update_expert_biases(model: nn.Module, data_parallel_group: object | None) -
     if data_parallel_group is not None and dist.is_initialized() and dist.get_world_size(data_parallel_group) > 1:
         dist.all_reduce(loads, group=data_parallel_group)
     for layer, load in zip(layers, loads.split([m.cfg.expert_count for m in layers])):
-        layer.expert_bias += layer.cfg.router_bias_update_rate * torch.sign(load.mean() - load)
+        step = layer.cfg.router_bias_update_rate * torch.sign(load.mean() - load)
+        layer.expert_bias += step if applied is None else step * applied
     discard_expert_loads(model)
 
 

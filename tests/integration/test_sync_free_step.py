@@ -1,0 +1,126 @@
+"""``--ts-sync-free-step``: the training step's two host reads of the gradient norm (the plugin's
+skip test and fairseq's ``isfinite`` test) are gone; the fused AdamW kernel skips a non-finite
+update on the device (``found_inf``), the update is counted, and the skips are read every
+``--log-interval`` updates. References: the same model trained by the synced step (updates equal),
+the sync counter of ``benchmarks/step_overhead.py`` on the synced step, and torch's own skip
+semantics (parameters unchanged at the injected update)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, WORKERS, last_error_line, run, tool
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.integration.host_overhead import DeviceSkips, check_sync_free_step, fused_adam
+
+sys.path.insert(0, str(WORKERS.parent.parent / "benchmarks"))
+import step_overhead as so  # noqa: E402
+
+TINY = "--arch ts_lm --decoder-layers 1 --decoder-embed-dim 32 --decoder-attention-heads 2 --decoder-ffn-embed-dim 64"
+SYNC_FREE = ["--optimizer", "ts_adamw", "--ts-sync-free-step"]
+TRAIN = [*LM_TRAIN, "--arch", "ts_lm_tiny", "--disable-validation", "--log-interval", "1", "--no-save"]
+
+
+def _sites(run: so.Run) -> list[str]:
+    device = so.DeviceTensors()
+    so.warm_up(run, device, 2)
+    _, syncs = so.count(run, device)
+    return sorted(site.split(" ")[0].rsplit(":", 1)[0] for (_, site), n in syncs.sites.items() for _ in range(n))
+
+
+def test_the_step_reads_the_norm_nowhere_and_updates_as_the_synced_step():
+    """The same model, seed and batch: three updates of the synced step and of the sync-free one
+    leave bitwise equal parameters; the sync-free step drops the two norm tests (ours and
+    fairseq's) of the synced step's host reads, and nothing else."""
+    synced = so.fairseq_run("synced", f"{TINY} --optimizer ts_adamw --dropout 0", 40, (4, 16))
+    free = so.fairseq_run("free", f"{TINY} --optimizer ts_adamw --ts-sync-free-step --dropout 0", 40, (4, 16),
+                          synced.sample)
+    assert [n for n, _ in synced.model.named_parameters()] == [n for n, _ in free.model.named_parameters()]
+    synced_sites, free_sites = _sites(synced), _sites(free)  # two updates each, then a counted one
+    assert synced_sites == ["fairseq/trainer.py", "torchscale_fairseq/architecture/decoder.py",
+                            "torchscale_fairseq/integration/trainer.py"]
+    assert free_sites == ["torchscale_fairseq/architecture/decoder.py"]
+    for a, b in zip(synced.model.parameters(), free.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _steps(proc) -> list[dict]:
+    return [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("STEP ")]
+
+
+def test_a_nonfinite_update_is_skipped_on_the_device_and_counted(lm_data, tmp_path):
+    proc = run([sys.executable, WORKERS / "inject_nonfinite.py", "2", lm_data, "--user-dir", USER_DIR, "--save-dir",
+                tmp_path, "--max-update", "4", *TRAIN, *SYNC_FREE])
+    steps = _steps(proc)
+    injected = [s for s in steps if s["injected"]]
+    assert len(injected) == 1 and len(steps) == 4
+    (upd_b, sum_b, _), (upd_a, sum_a, _) = injected[0]["before"], injected[0]["after"]
+    assert upd_a == upd_b + 1 and sum_a == sum_b  # counted, no parameter changed
+    assert all(s["after"][0] == s["before"][0] + 1 for s in steps)
+    assert all(s["after"][1] != s["before"][1] for s in steps[1:] if not s["injected"])  # (update 1: lr 0)
+    out = proc.stdout + proc.stderr
+    assert "1 update(s) before update 3 had a non-finite gradient norm and were skipped on the device" in out
+    assert "gradient overflow detected" not in out
+    gnorms = [json.loads(line[line.index("{"):])["gnorm"] for line in out.splitlines() if "train_inner" in line]
+    assert gnorms[2] == "nan" and all(g != "nan" for i, g in enumerate(gnorms) if i != 2)  # the skipped update's
+
+
+def test_skips_in_a_row_stop_training_at_the_next_report(lm_data, tmp_path):
+    """Every update from the second on is non-finite: with --max-skipped-updates 3 and a report
+    every 2 updates, the report at update 4 (updates 2-4 skipped, a run begun before the report at
+    update 2) stops training in one line."""
+    proc = run([sys.executable, WORKERS / "inject_nonfinite.py", "1+", lm_data, "--user-dir", USER_DIR,
+                "--save-dir", tmp_path, "--max-update", "20", *TRAIN, *SYNC_FREE, "--max-skipped-updates", "3",
+                "--log-interval", "2"], check=False)
+    assert proc.returncode != 0  # (the worker runs fairseq's cli_main, not the plugin's one-line console entry)
+    assert last_error_line(proc).endswith(
+        "3 updates in a row skipped for a non-finite gradient norm (after update 4): lower --lr, add warm-up or "
+        "--clip-norm, check the data, or raise --max-skipped-updates")
+    assert [s["after"][0] for s in _steps(proc)] == [1, 2, 3]  # the fourth call's report raised
+
+
+def test_the_refusals_name_the_flag(lm_data, tmp_path):
+    proc = run([tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--save-dir", tmp_path, *TRAIN,
+                "--max-update", "1", "--ts-sync-free-step"], check=False)  # LM_TRAIN's --optimizer adam
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--ts-sync-free-step skips a non-finite update inside torch's fused Adam kernel" in last_error_line(proc)
+    assert "--optimizer ts_adamw" in last_error_line(proc)
+
+    def cfg(**common):
+        return OmegaConf.create({"common": {"fp16": False, "memory_efficient_fp16": False, "amp": False, **common},
+                                 "distributed_training": {"zero_sharding": "none"}})
+
+    check_sync_free_step(cfg(bf16=True))
+    for flag in ("fp16", "memory_efficient_fp16", "amp"):
+        with pytest.raises(TsConfigError, match="fp16's loss scaler reads every update's overflow on the host"):
+            check_sync_free_step(cfg(**{flag: True}))
+    sharded = cfg()
+    sharded.distributed_training.zero_sharding = "os"
+    with pytest.raises(TsConfigError, match="--zero-sharding os is not supported yet"):
+        check_sync_free_step(sharded)
+    p = torch.nn.Parameter(torch.ones(2))
+    for impl in (dict(foreach=True), dict(fused=False, foreach=False)):
+        with pytest.raises(TsConfigError, match="AdamW"):
+            fused_adam(type("Fairseq", (), {"optimizer": torch.optim.AdamW([p], **impl)})())
+
+
+def test_device_skips_count_runs_across_reports():
+    """The counts against a host tally: skips since the last report, the longest run among them
+    (a run crossing a report continues), and ``found_inf`` set for each update."""
+    p = torch.nn.Parameter(torch.ones(2))
+    skips = DeviceSkips(torch.optim.AdamW([p], fused=True))
+    assert skips.report() == (0, 0)
+    norms = [1.0, float("nan"), float("inf"), 2.0, float("nan"), float("nan")]
+    applied = [float(skips.mark(torch.tensor(n))) for n in norms[:4]]
+    assert applied == [1.0, 0.0, 0.0, 1.0] and float(skips.optimizer.found_inf) == 0.0
+    assert skips.report() == (2, 2)
+    for n in norms[4:]:
+        skips.mark(torch.tensor(n))
+    assert skips.report() == (2, 2)
+    skips.mark(torch.tensor(float("nan")))
+    assert skips.report() == (1, 3) and float(skips.optimizer.found_inf) == 1.0
