@@ -1,7 +1,7 @@
 """Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` and a 1.3B model as
 users train them (sequence 2048, GPT-2's 50,257-token vocabulary, bf16), the plugin's default
 path ("baseline") and its fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
-ts_adamw``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
+ts_adamw --ts-sync-free-step``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
 on the same data, a profile of one update of every run (``train_profile.py``: where the time
 goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
 width), and the 1.3B fast path with ``--fp8 tensorwise`` / ``rowwise`` (torchao's float8 training;
@@ -50,7 +50,7 @@ CONFIGS = {  # name: (layers width heads FFN, sequences per update)
     "ts_lm_large": ("12 1024 16 4096", 8),
     "1p3b": ("24 2048 16 8192", 4),
 }
-FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw"]
+FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw", "--ts-sync-free-step"]
 TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
            "fp8_gain_1p3b": 1.2}
 FP8_RUNS = {"1p3b_fp8": "tensorwise", "1p3b_fp8rw": "rowwise"}  # run name: --fp8 recipe, beside 1p3b_fast
