@@ -33,7 +33,9 @@ autograd engine) are not, so ``aten.detach`` counts stay a few above torch.profi
 Host syncs per step, counted over one step by :class:`SyncCounter`: the calls that, on a
 GPU, make the host wait for the device. On the CPU nothing waits, so the counter models
 which tensors a CUDA run would hold on the device (:class:`DeviceTensors`): the model's
-parameters and buffers and the batch, and every tensor computed from one of them (or made
+parameters and buffers and the batch (a fairseq run's once the trainer's ``_prepare_sample``,
+which moves it on CUDA, returns it: fairseq's iterator yields it on the host, a fresh copy each
+step), and every tensor computed from one of them (or made
 with an explicit ``torch.device`` argument, as ``device=x.device`` is), followed through
 every aten op and torch function from the first step on, so optimizer state built from the
 parameters is a device tensor and ``torch.optim.Adam``'s step counter (a host tensor by
@@ -67,6 +69,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import inspect
 import os
 import shlex
@@ -115,11 +118,23 @@ def _tensors(tree: Any) -> List[torch.Tensor]:
 class DeviceTensors(TorchDispatchMode):
     """The tensors a CUDA run would hold on the device: those :meth:`mark` ed, and while this
     mode is active the outputs of every aten op with one of them among its inputs (``copy_``
-    leaves its destination where it is). Weak: a tensor freed is forgotten."""
+    leaves its destination where it is). Weak: a tensor freed is forgotten. ``active``: the
+    innermost one entered."""
+
+    active: Optional["DeviceTensors"] = None
 
     def __init__(self) -> None:
         super().__init__()
         self._held: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._outer: Optional[DeviceTensors] = None
+
+    def __enter__(self) -> "DeviceTensors":
+        self._outer, DeviceTensors.active = DeviceTensors.active, self
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        DeviceTensors.active = self._outer
+        return super().__exit__(*exc)
 
     def mark(self, tree: Any) -> None:
         for t in _tensors(tree):
@@ -314,13 +329,15 @@ def call_site() -> str:
 
 @dataclass
 class Run:
-    """One way of training: ``step()`` runs one update of ``model`` on ``sample``."""
+    """One way of training: ``step()`` runs one update of ``model`` on ``sample`` (``host_batch``:
+    on a host copy of it, which the step moves to the device)."""
 
     name: str
     what: str
     step: Callable[[], None]
     model: torch.nn.Module
     sample: dict
+    host_batch: bool = False
 
 
 def fairseq_run(name: str, model_args: str, vocab: int, sample_shape: Tuple[int, int],
@@ -338,12 +355,22 @@ def fairseq_run(name: str, model_args: str, vocab: int, sample_shape: Tuple[int,
     trainer = fairseq_cli.train.Trainer(cfg, task, model, criterion)
     if sample is None:
         sample = lm_sample(task.dictionary, batch, length, torch.Generator().manual_seed(seed))
+    prepare = trainer._prepare_sample
+
+    def prepare_and_move(batch: Any, is_dummy: bool = False):  # where fairseq moves the batch to CUDA
+        batch, dummy = prepare(batch, is_dummy)
+        if DeviceTensors.active is not None:
+            DeviceTensors.active.mark(batch)
+        return batch, dummy
+
+    trainer._prepare_sample = prepare_and_move
+    host = copy.deepcopy(sample)  # never marked (another run may hold ``sample`` on the device)
 
     def step() -> None:
         with metrics.aggregate("train_inner"):
-            trainer.train_step([sample])
+            trainer.train_step([copy.deepcopy(host)])
 
-    return Run(name, f"{type(trainer).__name__}.train_step, {model_args}", step, model, sample)
+    return Run(name, f"{type(trainer).__name__}.train_step, {model_args}", step, model, sample, host_batch=True)
 
 
 def bare_run(name: str, model: torch.nn.Module, sample: dict, lr: float = 5e-4) -> Run:
@@ -375,7 +402,7 @@ def build_runs(model_args: str, stock_args: str, vocab: int, sample_shape: Tuple
 
 def warm_up(run: Run, device: DeviceTensors, steps: int) -> None:
     """``steps`` (>= 1) steps of ``run``; ``device`` follows the first, which builds the optimizer state."""
-    device.mark([run.model.parameters(), run.model.buffers(), run.sample])
+    device.mark([run.model.parameters(), run.model.buffers(), [] if run.host_batch else run.sample])
     with device:
         run.step()
     for _ in range(steps - 1):

@@ -197,15 +197,18 @@ def test_main_prints_the_table_and_the_result(capsys):
     assert "RESULT ts_lm/bare " in out and "host syncs of ts_lm" in out
 
 
-def test_a_fairseq_training_step_syncs_only_to_skip_a_non_finite_update_and_test_padding(runs):
+def test_a_fairseq_training_step_syncs_only_to_skip_a_non_finite_update(runs):
     """The plugin's trainer step, as a CUDA run would see it: the skip test of a non-finite gradient norm
-    (ours, then fairseq's same test right after it, nothing queued between) and the decoder's padding
-    test; no sync in the step's logging (fairseq's per-step ``get_smoothed_values`` and its second
-    ``isfinite`` were three more)."""
-    ts_lm = runs[0]
-    device = so.DeviceTensors()
-    so.warm_up(ts_lm, device, 2)
-    _, syncs = so.count(ts_lm, device)
-    sites = sorted(site.split(" ")[0].rsplit(":", 1)[0] for (_, site), n in syncs.sites.items() for _ in range(n))
-    assert sites == ["fairseq/trainer.py", "torchscale_fairseq/architecture/decoder.py",
-                     "torchscale_fairseq/integration/trainer.py"], syncs.sites
+    (ours, then fairseq's same test right after it, nothing queued between); the decoder's padding test
+    reads the layout the trainer found on the host (stock ``transformer_lm``'s, on the same batch and
+    trainer, reads the device); no sync in the step's logging (fairseq's per-step
+    ``get_smoothed_values`` and its second ``isfinite`` were three more)."""
+    def sites(run) -> list[str]:
+        device = so.DeviceTensors()
+        so.warm_up(run, device, 2)
+        _, syncs = so.count(run, device)
+        return sorted(site.split(" ")[0].rsplit(":", 1)[0] for (_, site), n in syncs.sites.items() for _ in range(n))
+
+    norm_tests = ["fairseq/trainer.py", "torchscale_fairseq/integration/trainer.py"]
+    assert sites(runs[0]) == norm_tests
+    assert sites(runs[1]) == sorted([*norm_tests, "fairseq/models/transformer/transformer_decoder.py"])

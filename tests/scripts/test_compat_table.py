@@ -73,3 +73,23 @@ def test_matrix_script_names_its_cells_and_refuses_unknown_ones():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("[compat_matrix] error: unknown cell py39-torch1: choose from " +
                                    " ".join(c.name for c in compat_table.CELLS))
+
+
+def test_a_checkout_whose_only_change_is_the_generated_table_is_not_dirty(tmp_path):
+    """The matrix rewrites the README's table after each cell (the next cell's suite checks it): that
+    alone is no uncommitted change; any other edit, in the README or another tracked file, is."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{compat_table.BEGIN}\n| old |\n{compat_table.END}\nrest\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    assert not compat_table.uncommitted(tmp_path)
+    readme.write_text(f"intro\n{compat_table.BEGIN}\n| new row |\n| another |\n{compat_table.END}\nrest\n")
+    assert not compat_table.uncommitted(tmp_path)
+    readme.write_text(readme.read_text().replace("rest", "rest, edited"))
+    assert compat_table.uncommitted(tmp_path)
+    subprocess.run([*git, "checkout", "-q", "README.md"], check=True)
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert compat_table.uncommitted(tmp_path)

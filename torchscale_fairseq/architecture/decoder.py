@@ -19,6 +19,7 @@ from fairseq.models import FairseqIncrementalDecoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.architecture.padding_layout import INTERIOR, NONE, TRAILING, after_padding, known_padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage, register_tied_output
 from torchscale_fairseq.architecture.sequence_parallel import gather_sequence, is_split, pad_document_ids, pad_tokens
 from torchscale_fairseq.errors import TsConfigError
@@ -123,9 +124,11 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         offset = prev_output_tokens.size(1) - 1 if incremental else 0
         length = prev_output_tokens.size(1)
         split = is_split(self.cfg, self.training)
+        layout = known_padding_layout(prev_output_tokens)  # found on the host (padding_layout.py), else tested here
         context, context_index, ring_documents = self.cfg.context_parallel, None, None
         if context is not None and incremental_state is None:
             whole = pad_to_multiple(prev_output_tokens, self.cfg.sequence_multiple, self.padding_idx)
+            layout = after_padding(layout, whole.size(1) != length) if self.cfg.moe is None else None
             context_index = context_parallel_indices(whole.size(1), context.size, context.rank, whole.device)
             if document_ids is not None:  # the ring masks its blocks by document: no (T, T) mask
                 ring_documents = pad_to_multiple(document_ids, self.cfg.sequence_multiple, -1)
@@ -137,6 +140,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         else:
             if split:
                 prev_output_tokens = pad_tokens(prev_output_tokens, self.cfg, self.padding_idx)
+                layout = after_padding(layout, prev_output_tokens.size(1) != length)
                 document_ids = pad_document_ids(document_ids, self.cfg) if document_ids is not None else None
             if incremental:
                 document_ids = None
@@ -149,15 +153,18 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
             pads = prev_output_tokens.eq(self.padding_idx)
             # causal: trailing pads change no real token's output (the loss ignores pad targets);
             # only a pad followed by a real token (left padding), or MoE routing, needs the mask
-            needs = pads if self.cfg.moe is not None else pads[:, :-1] & ~pads[:, 1:]
             if context_index is not None:  # the ring has no mask: the whole sequence (every rank's) is checked
                 every = whole.eq(self.padding_idx)
-                if bool((every[:, :-1] & ~every[:, 1:]).any()):
+                if layout == INTERIOR or (layout is None and bool((every[:, :-1] & ~every[:, 1:]).any())):
                     raise TsConfigError(
                         "context parallelism runs causal attention without a padding mask, but this batch has a pad "
                         "before a real token (left padding): right-pad the batch or use --context-parallel-size 1"
                     )
-            if bool(needs.any()):
+            if layout is not None:
+                needed = layout == INTERIOR or (layout == TRAILING and self.cfg.moe is not None)
+            else:
+                needed = bool((pads if self.cfg.moe is not None else pads[:, :-1] & ~pads[:, 1:]).any())
+            if needed:
                 padding_mask = pads
         attn_mask = (document_attention_mask(document_ids, True, compute_dtype(x), padding_mask)
                      if document_ids is not None else None)
@@ -172,7 +179,8 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         if encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
             memory = encoder_out["encoder_out"][0]
             mask = encoder_out["encoder_padding_mask"][0] if encoder_out.get("encoder_padding_mask") else None
-            memory_mask = mask if mask is not None and bool(mask.any()) else None
+            known = known_padding_layout(mask) if mask is not None else None
+            memory_mask = mask if mask is not None and (known != NONE if known else bool(mask.any())) else None
         states = [x] if return_all_hiddens else []
         moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
         layers = self.chunk_layers(chunk)

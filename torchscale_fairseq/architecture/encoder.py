@@ -17,6 +17,7 @@ from fairseq.models import FairseqEncoder
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
+from torchscale_fairseq.architecture.padding_layout import NONE, after_padding, known_padding_layout, mark_padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import PipelineStage
 from torchscale_fairseq.architecture.sequence_parallel import (
     gather_sequence,
@@ -70,7 +71,9 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
         if split and document_ids is not None:
             document_ids = pad_document_ids(document_ids, self.cfg)
         padding_mask = tokens.eq(self.padding_idx)
-        has_pad = bool(padding_mask.any())
+        given = known_padding_layout(src_tokens)  # found on the host (padding_layout.py), else tested here
+        layout = after_padding(given, tokens.size(1) != length)
+        has_pad = layout != NONE if layout is not None else bool(padding_mask.any())
         if self.split.is_first(chunk):
             x = self.embed(tokens, document_ids=document_ids)
             if has_pad:
@@ -96,6 +99,8 @@ class TransformerEncoder(FairseqEncoder, PipelineStage):
                 x = self.layer_norm(x)
             if split:
                 x, padding_mask = gather_sequence(x, self.cfg, length), padding_mask[:, :length]
+        if given is not None:  # the decoder's memory mask: no second test
+            mark_padding_layout(padding_mask, after_padding(given, padding_mask.size(1) != length))
         return {
             "encoder_out": [x],
             "encoder_padding_mask": [padding_mask],

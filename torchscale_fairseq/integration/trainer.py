@@ -64,6 +64,7 @@ from fairseq import optim, utils
 from fairseq.logging import metrics
 from omegaconf import open_dict
 
+from torchscale_fairseq.architecture.padding_layout import mark_padding_layout, padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
 from torchscale_fairseq.checkpoints.rank_files import (
@@ -265,13 +266,37 @@ class TsTrainer(ScheduledTrainer):
 
     def _prepare_sample(self, sample, is_dummy=False):
         """Under context parallelism, this rank's targets of the sample (:mod:`.context_parallel_batches`;
-        the dummy batch too, split once)."""
+        the dummy batch too, split once). The input tokens' padding layouts are found on the host, before
+        fairseq moves the batch to the device, and marked on the moved tensors, so that the model's forward
+        reads nothing back to choose its masks (:mod:`~torchscale_fairseq.architecture.padding_layout`)."""
         if self.parallel.context_size > 1 and isinstance(sample, dict) and len(sample) > 0:
             multiple = sequence_multiple(self.parallel.context_size, self.parallel.tensor_size,
                                          bool(getattr(self.cfg.model, "sequence_parallel", False)))
             sample = context_parallel_sample(sample, self.parallel.context_size, self.parallel.context_rank, multiple,
                                              self.task.target_dictionary.pad())
-        return super()._prepare_sample(sample, is_dummy)
+        layouts = self._padding_layouts(sample)
+        sample, dummy = super()._prepare_sample(sample, is_dummy)
+        for key, layout in layouts.items():
+            mark_padding_layout(sample["net_input"][key], layout)
+        return sample, dummy
+
+    def _padding_layouts(self, sample: Any) -> dict[str, str]:
+        """``{net_input key: padding layout}`` of the token tensors still on the host."""
+        net_input = sample.get("net_input") if isinstance(sample, dict) else None
+        if not isinstance(net_input, dict):
+            return {}
+        layouts = {}
+        for key, dictionary in (("src_tokens", "source_dictionary"), ("prev_output_tokens", "target_dictionary")):
+            tokens = net_input.get(key)
+            if not (torch.is_tensor(tokens) and tokens.dim() == 2 and tokens.device.type == "cpu"):
+                continue
+            try:
+                vocab = getattr(self.task, dictionary)
+            except (AttributeError, NotImplementedError):  # FairseqTask's own properties raise the latter
+                continue
+            if vocab is not None:
+                layouts[key] = padding_layout(tokens, vocab.pad())
+        return layouts
 
     def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
         """fairseq's sum over the data-context group; under context parallelism the criterion's
