@@ -281,22 +281,23 @@ class TsTrainer(ScheduledTrainer):
         return sample, dummy
 
     def _padding_layouts(self, sample: Any) -> dict[str, str]:
-        """``{net_input key: padding layout}`` of the token tensors still on the host."""
+        """``{net_input key: padding layout}`` of the token tensors still on the host (none where the
+        task's source and target dictionaries pad with different indices)."""
         net_input = sample.get("net_input") if isinstance(sample, dict) else None
         if not isinstance(net_input, dict):
             return {}
-        layouts = {}
-        for key, dictionary in (("src_tokens", "source_dictionary"), ("prev_output_tokens", "target_dictionary")):
-            tokens = net_input.get(key)
-            if not (torch.is_tensor(tokens) and tokens.dim() == 2 and tokens.device.type == "cpu"):
-                continue
+        pads = set()
+        for dictionary in ("source_dictionary", "target_dictionary"):
             try:
                 vocab = getattr(self.task, dictionary)
             except (AttributeError, NotImplementedError):  # FairseqTask's own properties raise the latter
-                continue
-            if vocab is not None:
-                layouts[key] = padding_layout(tokens, vocab.pad())
-        return layouts
+                vocab = None
+            pads.add(vocab.pad() if vocab is not None else None)
+        if len(pads) != 1 or None in pads:  # a decoder-only model reads src_tokens with the target's pad
+            return {}
+        pad = pads.pop()
+        return {key: padding_layout(tokens, pad) for key in ("src_tokens", "prev_output_tokens")
+                if torch.is_tensor(tokens := net_input.get(key)) and tokens.dim() == 2 and tokens.device.type == "cpu"}
 
     def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
         """fairseq's sum over the data-context group; under context parallelism the criterion's
