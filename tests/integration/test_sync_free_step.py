@@ -58,8 +58,8 @@ def test_a_nonfinite_update_is_skipped_on_the_device_and_counted(lm_data, tmp_pa
     steps = _steps(proc)
     injected = [s for s in steps if s["injected"]]
     assert len(injected) == 1 and len(steps) == 4
-    (upd_b, sum_b, _), (upd_a, sum_a, _) = injected[0]["before"], injected[0]["after"]
-    assert upd_a == upd_b + 1 and sum_a == sum_b  # counted, no parameter changed
+    (upd_b, sum_b, _, state_b), (upd_a, sum_a, _, state_a) = injected[0]["before"], injected[0]["after"]
+    assert upd_a == upd_b + 1 and sum_a == sum_b and state_a == state_b  # counted; no parameter, moment or step
     assert all(s["after"][0] == s["before"][0] + 1 for s in steps)
     assert all(s["after"][1] != s["before"][1] for s in steps[1:] if not s["injected"])  # (update 1: lr 0)
     out = proc.stdout + proc.stderr

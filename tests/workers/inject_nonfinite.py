@@ -2,12 +2,14 @@
 
 Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at every call from STEP on)
 Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
-checksum of the parameters and the fp16 loss scale before and after the call.
+checksum of the parameters, the fp16 loss scale and a checksum of the optimizer's state (moments
+and step counts) before and after the call.
 """
 
 import json
 import sys
 
+import torch
 from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_cli.train import cli_main
 
@@ -36,15 +38,21 @@ def _checksum(trainer) -> float:
     return float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
 
 
+def _state_checksum(trainer) -> float:
+    state = trainer.optimizer.optimizer.state.values()
+    return float(sum(v.double().sum() if torch.is_tensor(v) else v for s in state for v in s.values()
+                     if torch.is_tensor(v) or isinstance(v, (int, float))))
+
+
 def _scale(trainer):
     scaler = getattr(trainer.optimizer, "scaler", None)
     return None if scaler is None else float(scaler.loss_scale)
 
 
 def trainer_train_step(self, samples, raise_oom=False):
-    before = (self.get_num_updates(), _checksum(self), _scale(self))
+    before = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self))
     out = _trainer_train_step(self, samples, raise_oom)
-    after = (self.get_num_updates(), _checksum(self), _scale(self))
+    after = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self))
     print("STEP " + json.dumps({"call": _calls["n"], "injected": _injected(), "before": before,
                                 "after": after}), flush=True)
     _calls["n"] += 1
