@@ -157,6 +157,19 @@ def _too_many_skips(in_a_row: int, updates: int) -> TsConfigError:
     )
 
 
+def _shared_pad(task: Any) -> int | None:
+    """The pad index of the task's source and target dictionaries, ``None`` where they differ or
+    one is missing (a decoder-only model reads ``src_tokens`` with the target's pad)."""
+    pads = set()
+    for dictionary in ("source_dictionary", "target_dictionary"):
+        try:
+            vocab = getattr(task, dictionary)
+        except (AttributeError, NotImplementedError):  # FairseqTask's own properties raise the latter
+            vocab = None
+        pads.add(vocab.pad() if vocab is not None else None)
+    return pads.pop() if len(pads) == 1 else None
+
+
 def carry_parallel_attributes(optimizer: Any) -> None:
     """Give fp16's fp32 master copies the attributes of their parameters: one master
     per parameter gets its attributes, a flat master remembers its source parameters."""
@@ -231,6 +244,7 @@ class TsTrainer(ScheduledTrainer):
         self.device_skips: DeviceSkips | None = None  # --ts-sync-free-step: built with the optimizer
         self._step_norm: torch.Tensor | None = None  # the device's norm of a sync-free step
         self._applied: torch.Tensor | None = None  # whether its update applied (device 0/1)
+        self._layout_pad = _shared_pad(task)  # padding layouts are found where it is known (_prepare_sample)
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
 
     # data parallelism -------------------------------------------------------------
@@ -274,29 +288,18 @@ class TsTrainer(ScheduledTrainer):
                                          bool(getattr(self.cfg.model, "sequence_parallel", False)))
             sample = context_parallel_sample(sample, self.parallel.context_size, self.parallel.context_rank, multiple,
                                              self.task.target_dictionary.pad())
-        layouts = self._padding_layouts(sample)
+        layouts = self._padding_layouts(sample) if self._layout_pad is not None else {}
         sample, dummy = super()._prepare_sample(sample, is_dummy)
         for key, layout in layouts.items():
             mark_padding_layout(sample["net_input"][key], layout)
         return sample, dummy
 
     def _padding_layouts(self, sample: Any) -> dict[str, str]:
-        """``{net_input key: padding layout}`` of the token tensors still on the host (none where the
-        task's source and target dictionaries pad with different indices)."""
+        """``{net_input key: padding layout}`` of the token tensors still on the host."""
         net_input = sample.get("net_input") if isinstance(sample, dict) else None
         if not isinstance(net_input, dict):
             return {}
-        pads = set()
-        for dictionary in ("source_dictionary", "target_dictionary"):
-            try:
-                vocab = getattr(self.task, dictionary)
-            except (AttributeError, NotImplementedError):  # FairseqTask's own properties raise the latter
-                vocab = None
-            pads.add(vocab.pad() if vocab is not None else None)
-        if len(pads) != 1 or None in pads:  # a decoder-only model reads src_tokens with the target's pad
-            return {}
-        pad = pads.pop()
-        return {key: padding_layout(tokens, pad) for key in ("src_tokens", "prev_output_tokens")
+        return {key: padding_layout(tokens, self._layout_pad) for key in ("src_tokens", "prev_output_tokens")
                 if torch.is_tensor(tokens := net_input.get(key)) and tokens.dim() == 2 and tokens.device.type == "cpu"}
 
     def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
