@@ -58,7 +58,7 @@ def test_a_nonfinite_update_is_skipped_on_the_device_and_counted(lm_data, tmp_pa
     steps = _steps(proc)
     injected = [s for s in steps if s["injected"]]
     assert len(injected) == 1 and len(steps) == 4
-    (upd_b, sum_b, _, state_b), (upd_a, sum_a, _, state_a) = injected[0]["before"], injected[0]["after"]
+    (upd_b, sum_b, _, state_b, _), (upd_a, sum_a, _, state_a, _) = injected[0]["before"], injected[0]["after"]
     assert upd_a == upd_b + 1 and sum_a == sum_b and state_a == state_b  # counted; no parameter, moment or step
     assert all(s["after"][0] == s["before"][0] + 1 for s in steps)
     assert all(s["after"][1] != s["before"][1] for s in steps[1:] if not s["injected"])  # (update 1: lr 0)
@@ -67,6 +67,32 @@ def test_a_nonfinite_update_is_skipped_on_the_device_and_counted(lm_data, tmp_pa
     assert "gradient overflow detected" not in out
     gnorms = [json.loads(line[line.index("{"):])["gnorm"] for line in out.splitlines() if "train_inner" in line]
     assert gnorms[2] == "nan" and all(g != "nan" for i, g in enumerate(gnorms) if i != 2)  # the skipped update's
+
+
+def test_the_device_skip_composes_with_bf16_sparse_clip_and_router_bias(lm_data, tmp_path):
+    """--bf16 (the wrapper's fp32 masters), SparseClip around the fused AdamW (its two-part clip)
+    and MoE layers balanced by expert biases (moved after each update, on the device): at the
+    injected update nothing moves - parameters, masters' moments and step counts, expert biases -
+    and the update is counted; every other update moves the parameters and the biases. No report
+    falls due (--log-interval 10): the skip is reported at the checkpoint saved at the end."""
+    moe = ["--decoder-layers", "2", "--moe-expert-count", "4", "--moe-freq", "2", "--criterion", "moe_cross_entropy",
+           "--moe-router-bias-update-rate", "0.01"]
+    proc = run([sys.executable, WORKERS / "inject_nonfinite.py", "2", lm_data, "--user-dir", USER_DIR, "--save-dir",
+                tmp_path, "--max-update", "4", *LM_TRAIN, "--arch", "ts_lm_tiny", "--disable-validation",
+                "--log-interval", "10", *moe, "--bf16", "--optimizer", "sparse_clip",
+                "--sparse-clip-base", "ts_adamw", "--clip-norm", "0.5", "--ts-sync-free-step"])
+    steps = _steps(proc)
+    assert [s["injected"] for s in steps] == [False, False, True, False]
+    for s in steps:
+        (upd_b, sum_b, _, state_b, bias_b), (upd_a, sum_a, _, state_a, bias_a) = s["before"], s["after"]
+        assert upd_a == upd_b + 1
+        if s["injected"]:
+            assert (sum_a, state_a, bias_a) == (sum_b, state_b, bias_b)
+        else:
+            assert state_a != state_b and bias_a != bias_b
+            assert s["call"] == 0 or sum_a != sum_b  # (update 1: lr 0)
+    out = proc.stdout + proc.stderr
+    assert "1 update(s) before update 4 had a non-finite gradient norm and were skipped on the device" in out
 
 
 def test_skips_in_a_row_stop_training_at_the_next_report(lm_data, tmp_path):

@@ -28,7 +28,7 @@ def test_nonfinite_gradients_skip_one_update_and_training_goes_on(lm_data, tmp_p
     assert "gradient overflow detected, ignoring gradient" in out
     injected = [s for s in steps if s["injected"]]
     assert len(injected) == 1
-    (upd_b, sum_b, scale_b, state_b), (upd_a, sum_a, scale_a, state_a) = injected[0]["before"], injected[0]["after"]
+    (upd_b, sum_b, scale_b, state_b, _), (upd_a, sum_a, scale_a, state_a, _) = injected[0]["before"], injected[0]["after"]
     assert upd_a == upd_b and sum_a == sum_b and state_a == state_b  # no update counted, nothing changed
     if precision:
         assert scale_a == scale_b / 2  # the fp16 loss scale adapts

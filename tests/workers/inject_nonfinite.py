@@ -2,8 +2,8 @@
 
 Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at every call from STEP on)
 Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
-checksum of the parameters, the fp16 loss scale and a checksum of the optimizer's state (moments
-and step counts) before and after the call.
+checksum of the parameters, the fp16 loss scale, a checksum of the optimizer's state (moments
+and step counts) and the MoE layers' expert biases before and after the call.
 """
 
 import json
@@ -44,15 +44,19 @@ def _state_checksum(trainer) -> float:
                      if torch.is_tensor(v) or isinstance(v, (int, float))))
 
 
+def _expert_biases(trainer) -> list[float]:
+    return [v for name, b in trainer.model.named_buffers() if name.endswith("expert_bias") for v in b.tolist()]
+
+
 def _scale(trainer):
     scaler = getattr(trainer.optimizer, "scaler", None)
     return None if scaler is None else float(scaler.loss_scale)
 
 
 def trainer_train_step(self, samples, raise_oom=False):
-    before = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self))
+    before = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self), _expert_biases(self))
     out = _trainer_train_step(self, samples, raise_oom)
-    after = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self))
+    after = (self.get_num_updates(), _checksum(self), _scale(self), _state_checksum(self), _expert_biases(self))
     print("STEP " + json.dumps({"call": _calls["n"], "injected": _injected(), "before": before,
                                 "after": after}), flush=True)
     _calls["n"] += 1

@@ -22,7 +22,8 @@
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
   ``--max-skipped-updates`` skips in a row training stops with one line; under
   ``--ts-sync-free-step`` the fused optimizer kernel skips it on the device, the update is
-  counted, and skips are read every ``--log-interval`` updates (:class:`.host_overhead.DeviceSkips`);
+  counted, and skips are read every ``--log-interval`` updates, before validation and at each
+  checkpoint save (:class:`.host_overhead.DeviceSkips`);
 - an MoE model with a criterion that ignores the balance loss is refused before any step
   (:mod:`torchscale_fairseq.criterions.balance_check`);
 - expert parameters (:mod:`torchscale_fairseq.modules.moe.grad_sync`): DDP leaves them
@@ -432,9 +433,16 @@ class TsTrainer(ScheduledTrainer):
             self._report_device_skips()
         return logging_output
 
+    def begin_valid_epoch(self, epoch):
+        if self.device_skips is not None:  # the skips since the last report come before validation's lines
+            self._report_device_skips()
+        super().begin_valid_epoch(epoch)
+
     def _report_device_skips(self) -> None:
         """The sync-free step's skips since the last report (one host read): a log line, and
-        ``--max-skipped-updates`` in a row stop training."""
+        ``--max-skipped-updates`` in a row stop training. Read every ``--log-interval`` updates,
+        before validation and at each checkpoint save (so a run's last skips are reported unless it
+        stops between reports with ``--no-save`` and ``--disable-validation``)."""
         skipped, longest = self.device_skips.report()
         if skipped:
             logger.info(f"NOTE: {skipped} update(s) before update {self.get_num_updates()} had a non-finite gradient "
@@ -493,6 +501,8 @@ class TsTrainer(ScheduledTrainer):
         return self.is_expert_sharded or self.parallel.tensor_size > 1 or self.parallel.pipeline_size > 1
 
     def state_dict(self) -> dict:
+        if self.device_skips is not None:
+            self._report_device_skips()
         state = super().state_dict()
         if self._gathered_model_state is not None:  # --zero-sharding full (else: a crash.pt of this rank's shards)
             state["model"], self._gathered_model_state = self._gathered_model_state, None
