@@ -34,12 +34,13 @@ def _sites(run: so.Run) -> list[str]:
 
 
 def test_the_step_reads_the_norm_nowhere_and_updates_as_the_synced_step():
-    """The same model, seed and batch: three updates of the synced step and of the sync-free one
-    leave bitwise equal parameters; the synced step's two host reads are the norm tests (ours and
-    fairseq's; the decoder's padding layout is found on the host), the sync-free step has none."""
-    synced = so.fairseq_run("synced", f"{TINY} --optimizer ts_adamw --dropout 0", 40, (4, 16))
-    free = so.fairseq_run("free", f"{TINY} --optimizer ts_adamw --ts-sync-free-step --dropout 0", 40, (4, 16),
-                          synced.sample)
+    """The same model, seed and batch, fp32 with --clip-norm (fires at 0.05): three updates of the
+    synced step and of the sync-free one leave bitwise equal parameters; the synced step's two host
+    reads are the norm tests (ours and fairseq's; the clip and the decoder's padding layout are
+    decided on the device and on the host), the sync-free step has none."""
+    common = f"{TINY} --optimizer ts_adamw --dropout 0 --clip-norm 0.05"
+    synced = so.fairseq_run("synced", common, 40, (4, 16))
+    free = so.fairseq_run("free", f"{common} --ts-sync-free-step", 40, (4, 16), synced.sample)
     assert [n for n, _ in synced.model.named_parameters()] == [n for n, _ in free.model.named_parameters()]
     synced_sites, free_sites = _sites(synced), _sites(free)  # two updates each, then a counted one
     assert synced_sites == ["fairseq/trainer.py", "torchscale_fairseq/integration/trainer.py"]

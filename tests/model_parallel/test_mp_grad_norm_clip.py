@@ -5,6 +5,7 @@ copies keep the attributes the count-once norm needs."""
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import torch
@@ -38,6 +39,25 @@ def test_equals_stock_fairseq_without_tensor_parallelism():
         assert torch.allclose(total, expected, rtol=1e-6, atol=0), (total, expected)
         for a, b in zip(ours.parameters(), stock.parameters()):
             assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_the_clip_is_the_formula_bit_for_bit():
+    """Where ``||g|| > xi``: ``g * (xi / (||g|| + 1e-6))``, the factor a Python float; where the norm
+    is below ``xi`` or not finite the gradients are unchanged. The clip decides on the device (a
+    float64 factor, no host read): the same bits as this host formula must come out."""
+    cases, clips = [(seed, max_norm, None) for seed in range(8) for max_norm in (1e-3, 0.07, 0.3, 1e6)], 0
+    for seed, max_norm, poison in [*cases, (0, 0.5, float("inf")), (0, 0.5, float("nan"))]:
+        params = list(_model_with_grads(seed).parameters())
+        if poison is not None:
+            params[0].grad[0, 0] = poison
+        before = [p.grad.clone() for p in params]
+        total = float(grad_norm_clip.clip_grad_norm_(params, max_norm))
+        clipped = math.isfinite(total) and total > max_norm
+        clips += clipped
+        for p, g in zip(params, before):
+            expected = g * (max_norm / (total + 1e-6)) if clipped else g
+            assert torch.allclose(p.grad, expected, rtol=0, atol=0, equal_nan=True)
+    assert clips >= 16
 
 
 def test_expert_gradients_count():

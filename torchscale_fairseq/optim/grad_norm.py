@@ -159,12 +159,14 @@ def norm_and_clip_(
     return norm, total
 
 
-def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:
-    """``g <- xi / max(xi, ||g||) * g`` for every gradient; True when clipping fired."""
-    if max_norm <= 0 or not torch.isfinite(total_norm) or total_norm <= max_norm:
-        return False
-    coef = max_norm / (float(total_norm) + 1e-6)
+def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """``g <- xi / (||g|| + 1e-6) * g`` for every gradient where ``||g|| > xi`` (a non-finite norm
+    clips nothing), decided on the device: no host read. The factor is formed in float64, as a
+    Python float would be, and rounded once to the gradients' dtype (1 where nothing is clipped)."""
     grads = [local_shard(p.grad.detach()) for p in params if p is not None and p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, coef)
-    return True
+    if max_norm <= 0 or not grads:
+        return
+    clips = torch.isfinite(total_norm) & (total_norm > max_norm)
+    coef = torch.where(clips, max_norm / (total_norm.double() + 1e-6), 1.0)
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
