@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from fairseq.logging import metrics
 from omegaconf import OmegaConf
 
 from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, WORKERS, last_error_line, run, tool
@@ -45,6 +46,7 @@ def test_the_step_reads_the_norm_nowhere_and_updates_as_the_synced_step():
     synced_sites, free_sites = _sites(synced), _sites(free)  # two updates each, then a counted one
     assert synced_sites == ["fairseq/trainer.py", "torchscale_fairseq/integration/trainer.py"]
     assert free_sites == []
+    assert metrics.get_smoothed_values("train_inner")["clip"] == 100  # every update of both clipped
     for a, b in zip(synced.model.parameters(), free.model.parameters()):
         assert torch.equal(a, b)
 
@@ -70,16 +72,19 @@ def test_a_nonfinite_update_is_skipped_on_the_device_and_counted(lm_data, tmp_pa
     assert gnorms[2] == "nan" and all(g != "nan" for i, g in enumerate(gnorms) if i != 2)  # the skipped update's
 
 
-def test_the_device_skip_composes_with_bf16_sparse_clip_and_router_bias(lm_data, tmp_path):
+@pytest.mark.parametrize("reported_at", ["save", "validation"])
+def test_the_device_skip_composes_with_bf16_sparse_clip_and_router_bias(lm_data, tmp_path, reported_at):
     """--bf16 (the wrapper's fp32 masters), SparseClip around the fused AdamW (its two-part clip)
     and MoE layers balanced by expert biases (moved after each update, on the device): at the
     injected update nothing moves - parameters, masters' moments and step counts, expert biases -
     and the update is counted; every other update moves the parameters and the biases. No report
-    falls due (--log-interval 10): the skip is reported at the checkpoint saved at the end."""
+    falls due (--log-interval 10): the skip is reported by the checkpoint saved at the end (no
+    validation), or by the validation at the end (--no-save), before validation's own lines."""
     moe = ["--decoder-layers", "2", "--moe-expert-count", "4", "--moe-freq", "2", "--criterion", "moe_cross_entropy",
            "--moe-router-bias-update-rate", "0.01"]
+    only = ["--disable-validation"] if reported_at == "save" else ["--no-save"]
     proc = run([sys.executable, WORKERS / "inject_nonfinite.py", "2", lm_data, "--user-dir", USER_DIR, "--save-dir",
-                tmp_path, "--max-update", "4", *LM_TRAIN, "--arch", "ts_lm_tiny", "--disable-validation",
+                tmp_path, "--max-update", "4", *LM_TRAIN, "--arch", "ts_lm_tiny", *only,
                 "--log-interval", "10", *moe, "--bf16", "--optimizer", "sparse_clip",
                 "--sparse-clip-base", "ts_adamw", "--clip-norm", "0.5", "--ts-sync-free-step"])
     steps = _steps(proc)
@@ -93,7 +98,10 @@ def test_the_device_skip_composes_with_bf16_sparse_clip_and_router_bias(lm_data,
             assert state_a != state_b and bias_a != bias_b
             assert s["call"] == 0 or sum_a != sum_b  # (update 1: lr 0)
     out = proc.stdout + proc.stderr
-    assert "1 update(s) before update 4 had a non-finite gradient norm and were skipped on the device" in out
+    note = "1 update(s) before update 4 had a non-finite gradient norm and were skipped on the device"
+    assert out.count(note) == 1
+    if reported_at == "validation":
+        assert out.index(note) < out.index('begin validation on "valid" subset')
 
 
 def test_skips_in_a_row_stop_training_at_the_next_report(lm_data, tmp_path):

@@ -441,8 +441,8 @@ class TsTrainer(ScheduledTrainer):
     def _report_device_skips(self) -> None:
         """The sync-free step's skips since the last report (one host read): a log line, and
         ``--max-skipped-updates`` in a row stop training. Read every ``--log-interval`` updates,
-        before validation and at each checkpoint save (so a run's last skips are reported unless it
-        stops between reports with ``--no-save`` and ``--disable-validation``)."""
+        before validation and at each checkpoint save, on every rank (a run's last skips are
+        reported unless it stops between reports with ``--no-save`` and no validation)."""
         skipped, longest = self.device_skips.report()
         if skipped:
             logger.info(f"NOTE: {skipped} update(s) before update {self.get_num_updates()} had a non-finite gradient "
@@ -501,8 +501,6 @@ class TsTrainer(ScheduledTrainer):
         return self.is_expert_sharded or self.parallel.tensor_size > 1 or self.parallel.pipeline_size > 1
 
     def state_dict(self) -> dict:
-        if self.device_skips is not None:
-            self._report_device_skips()
         state = super().state_dict()
         if self._gathered_model_state is not None:  # --zero-sharding full (else: a crash.pt of this rank's shards)
             state["model"], self._gathered_model_state = self._gathered_model_state, None
@@ -534,9 +532,12 @@ class TsTrainer(ScheduledTrainer):
     def consolidate_optimizer(self) -> None:
         """fairseq's, and the streaming tasks' stream positions of every data-parallel rank
         gathered into the epoch iterator, whose state data-parallel rank 0 alone then saves
-        (exact mid-epoch resume on every rank). fairseq's ``save_checkpoint`` calls this on
-        every rank before it takes the iterator's state; a step's exception handler calls it
-        too, on its rank alone, for a ``crash.pt`` without the iterator: no collective there."""
+        (exact mid-epoch resume on every rank); ``--ts-sync-free-step``'s skips reported on every
+        rank alike. fairseq's ``save_checkpoint`` calls this on every rank before it takes the
+        iterator's state; a step's exception handler calls it too, on its rank alone, for a
+        ``crash.pt`` without the iterator: no collective there, and no report to raise."""
+        if self.device_skips is not None and sys.exc_info()[1] is None:
+            self._report_device_skips()
         super().consolidate_optimizer()
         if self.fully_sharded and sys.exc_info()[1] is None:
             self._gather_full_state()
