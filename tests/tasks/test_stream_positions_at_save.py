@@ -24,6 +24,7 @@ def test_save_gathers_stream_positions_and_a_crash_does_not(tmp_path: Path, task
     trainer = TsTrainer.__new__(TsTrainer)  # what consolidate_optimizer reads: the config, the sharding, the iterator
     trainer.cfg = OmegaConf.create({"checkpoint": {"no_save_optimizer_state": True}})
     trainer.fully_sharded = False  # --zero-sharding full's gather is test_fully_sharded's
+    trainer.device_skips = None  # --ts-sync-free-step's report at a save is test_sync_free_step's
     trainer._train_iterator = iterator
 
     trainer.consolidate_optimizer()  # as in save_checkpoint
