@@ -29,10 +29,16 @@ def config_error_in_chain(exc: Optional[BaseException]) -> Optional[TsConfigErro
 
 def _fairseq_input_error(exc: Optional[BaseException]) -> Optional[str]:
     """fairseq's own input errors that already say what to do: missing data (``Dataset not
-    found``, a missing ``dict.txt``) and samples longer than the model's positions."""
+    found``, a missing ``dict.txt``), any other missing file, and samples longer than the
+    model's positions."""
     if isinstance(exc, FileNotFoundError):
-        what = str(exc) if "Dataset not found" in str(exc) else f"{exc.strerror}: {exc.filename}"
-        return f"{what}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
+        if "Dataset not found" in str(exc):
+            return f"{exc}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
+        what = f"{exc.strerror}: {exc.filename}"
+        name = os.path.basename(str(exc.filename or ""))
+        if name.startswith("dict.") and name.endswith(".txt"):
+            return f"{what}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
+        return f"{what}; check that the path exists and that no other run is using it"
     if type(exc) is Exception and "--skip-invalid-size-inputs-valid-test" in str(exc):
         return str(exc).splitlines()[0]
     return None

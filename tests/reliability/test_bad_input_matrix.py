@@ -10,6 +10,7 @@ import torch
 
 from tests.helpers.bad_inputs import CASES, render_troubleshooting
 from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, last_error_line, make_text, run, run_many, tool
+from torchscale_fairseq.errors import _fairseq_input_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,16 @@ def test_dictionary_mismatch_on_resume_keeps_the_checkpoint_in_place(outcomes):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "dict.txt" in last_error_line(proc)
     assert _snapshot(save) == before
+
+
+def test_only_a_missing_dictionary_or_data_set_is_blamed_on_the_data_directory():
+    """fairseq's save-dir check (create and remove ``<save_dir>/dummy``) raced by another run is not
+    a data problem; a missing ``dict.txt`` / ``dict.en.txt`` or split is."""
+    def message(filename):
+        return _fairseq_input_error(FileNotFoundError(2, "No such file or directory", filename))
+
+    for data_file in ("/d/dict.txt", "/d/dict.en.txt"):
+        assert "check the data directory" in message(data_file) and data_file in message(data_file)
+    assert "check the data directory" in _fairseq_input_error(FileNotFoundError("Dataset not found: train (/d)"))
+    other = message("/ckpt/dummy")
+    assert "/ckpt/dummy" in other and "data directory" not in other and "check that the path exists" in other

@@ -147,11 +147,19 @@ def test_pipeline_sigkill_then_restart_is_exact(lm_data, tmp_path):
     refused = {}
 
     def another_split_or_one_process(ref_dir: Path) -> list:
-        """Another split, or one process, on the uninterrupted run's stages (to fail)."""
-        refused["split"] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *PIPELINE_ARGS,
-                                                            "--pipeline-layers", "1,3"], 2, tmp_path / "split_logs")
-        refused["one"] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(ref_dir), *ONE_STACK_ARGS], 1,
-                                       tmp_path / "one_logs")
+        """Another split, or one process, on copies of the uninterrupted run's stages (to fail),
+        each in its own save dir: fairseq's rank 0 checks its save dir by creating and removing
+        ``dummy`` there, so two runs starting in one dir can remove each other's file."""
+        def refuse_on_a_copy(name: str, args: list, world_size: int) -> None:
+            save_dir = tmp_path / f"{name}_save"
+            save_dir.mkdir()
+            for stage in ref_dir.glob("checkpoint_last-stage*.pt"):
+                shutil.copy(stage, save_dir)
+            refused[name] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(save_dir), *args],
+                                          world_size, tmp_path / f"{name}_logs")
+
+        refuse_on_a_copy("split", [*PIPELINE_ARGS, "--pipeline-layers", "1,3"], 2)
+        refuse_on_a_copy("one", ONE_STACK_ARGS, 1)
         return list(refused.values())
 
     ref_dir = _sigkill_restart_and_torn_save(lm_data, tmp_path, PIPELINE_ARGS, ("-stage0", "-stage1"),
