@@ -15,6 +15,7 @@ from torchscale_fairseq.compat.ngram_repeat_block import patch_ngram_repeat_bloc
 from torchscale_fairseq.compat.numpy2 import patch_numpy_compat
 from torchscale_fairseq.compat.prefetch_thread_exit import patch_prefetch_thread_exit
 from torchscale_fairseq.compat.safe_checkpoints import register_safe_globals
+from torchscale_fairseq.compat.save_dir_check import patch_save_dir_check
 
 
 def apply_fairseq_fixes() -> None:
@@ -23,6 +24,7 @@ def apply_fairseq_fixes() -> None:
     patch_batching()
     patch_ngram_repeat_block()
     patch_checkpoint_writes()
+    patch_save_dir_check()
     register_safe_globals()
     patch_fairseq_distributed()
     patch_cpu_mixed_precision()
