@@ -16,6 +16,8 @@ from fairseq.logging import metrics
 from omegaconf import OmegaConf
 
 from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, WORKERS, last_error_line, run, tool
+from tests.helpers.mp_helpers import dist_flags, launch, train_records, wait_all
+from tests.helpers.rendezvous import rendezvous_url
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.host_overhead import DeviceSkips, check_sync_free_step, fused_adam
 
@@ -102,6 +104,39 @@ def test_the_device_skip_composes_with_bf16_sparse_clip_and_router_bias(lm_data,
     assert out.count(note) == 1
     if reported_at == "validation":
         assert out.index(note) < out.index('begin validation on "valid" subset')
+
+
+def _step_records(log) -> list[dict]:
+    return [json.loads(line[5:]) for line in log.read_text().splitlines() if line.startswith("STEP ")]
+
+
+def test_a_nonfinite_gradient_on_one_pipeline_stage_skips_the_update_on_every_stage(lm_data, tmp_path):
+    """P = 2 (1F1B over 2 micro-batches, tied embeddings): a NaN in stage 0's embedding gradient at
+    update 3 makes the norm, summed over the stages, non-finite on both; neither stage's parameters
+    or optimizer state move and both count the update; rank 0 reports the skip, and every update's
+    loss equals one process given the same NaN (the logged 3 decimals)."""
+    inject = [sys.executable, str(WORKERS / "inject_nonfinite.py"), "2@0", str(lm_data), "--user-dir", str(USER_DIR)]
+    args = [*TRAIN, *SYNC_FREE, "--max-update", "4", "--decoder-layers", "4", "--update-freq", "2", "--dropout", "0",
+            "--ddp-backend", "legacy_ddp"]
+    init_method = rendezvous_url(tmp_path / "pp")
+    logs = [tmp_path / "pp" / f"rank{r}.log" for r in range(2)] + [tmp_path / "one.log"]
+    procs = [launch([*inject, "--save-dir", str(tmp_path / "pp"), *args, "--pipeline-model-parallel-size", "2",
+                     *dist_flags(2, r, init_method)], logs[r]) for r in range(2)]
+    procs.append(launch([*inject, "--save-dir", str(tmp_path / "one"), *args], logs[2]))
+    wait_all(procs, logs)
+    for log in logs:
+        steps = _step_records(log)
+        assert [s["after"][0] for s in steps] == [1, 2, 3, 4]
+        for s in steps:
+            moved = (s["before"][1], s["before"][3]) != (s["after"][1], s["after"][3])
+            assert moved == (s["call"] != 2), (log.name, s)  # (update 1: lr 0 moves the moments only)
+        text = log.read_text()
+        assert "gradient overflow detected" not in text
+        if log != logs[1]:  # (fairseq logs INFO on rank 0 only)
+            assert "1 update(s) before update 3 had a non-finite gradient norm and were skipped on the device" in text
+    pipelined, one = train_records(logs[0]), train_records(logs[2])
+    assert len(pipelined) == len(one) == 4 and pipelined[2]["gnorm"] == one[2]["gnorm"] == "nan"
+    assert all(abs(float(a["loss"]) - float(b["loss"])) <= 1.5e-3 for a, b in zip(pipelined, one)), (pipelined, one)
 
 
 def test_skips_in_a_row_stop_training_at_the_next_report(lm_data, tmp_path):

@@ -1,6 +1,7 @@
 """Run fairseq-train with NaN gradients injected at one update; print per-step records.
 
-Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at every call from STEP on)
+Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at every call from STEP on;
+STEP@R: on distributed rank R only)
 Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
 checksum of the parameters, the fp16 loss scale, a checksum of the optimizer's state (moments
 and step counts) and the MoE layers' expert biases before and after the call.
@@ -16,22 +17,36 @@ from fairseq_cli.train import cli_main
 import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
 from torchscale_fairseq.integration.trainer import TsTrainer
 
-_AT = sys.argv.pop(1)
+_AT, _, _RANK = sys.argv.pop(1).partition("@")
 INJECT_AT, INJECT_ON = int(_AT.rstrip("+")), _AT.endswith("+")
 _calls = {"n": 0}
 _task_train_step = FairseqTask.train_step
 _trainer_train_step = TsTrainer.train_step
+_run_schedule = TsTrainer._run_schedule
 
 
 def task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
     out = _task_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
     if _injected():
-        next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+        _fill_nan(model)
     return out
 
 
+def run_schedule(self, samples, training):
+    """The pipeline's step (its micro-batches do not pass through the task's ``train_step``)."""
+    out = _run_schedule(self, samples, training)
+    if training and _injected():
+        _fill_nan(self.model)
+    return out
+
+
+def _fill_nan(model) -> None:
+    next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+
 def _injected() -> bool:
-    return _calls["n"] == INJECT_AT or (INJECT_ON and _calls["n"] > INJECT_AT)
+    on_this_rank = not _RANK or int(_RANK) == (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    return on_this_rank and (_calls["n"] == INJECT_AT or (INJECT_ON and _calls["n"] > INJECT_AT))
 
 
 def _checksum(trainer) -> float:
@@ -65,6 +80,7 @@ def trainer_train_step(self, samples, raise_oom=False):
 
 FairseqTask.train_step = task_train_step
 TsTrainer.train_step = trainer_train_step
+TsTrainer._run_schedule = run_schedule
 
 if __name__ == "__main__":
     sys.argv[0] = "fairseq-train"
