@@ -3,7 +3,8 @@
 # `bash scripts/test.sh`, each from its own fresh clone of this checkout's HEAD in a new folder
 # (so each creates its .venv and installs from scratch), one after the other. Appends one JSON line
 # to docs/compat/readme_timings.jsonl (date, commit, machine, load average before each command,
-# both wall times, pytest's own time and counts, the demo's figures) and regenerates the README's
+# both wall times, pytest's own time and counts, the demo's figures and the demo venv's Python, torch,
+# NumPy, transformers, safetensors and fairseq) and regenerates the README's
 # timings sentence from it (scripts/readme_timings.py).
 #
 #   bash scripts/measure_readme.sh            # about 30 min on 2 idle cores; run it on idle cores
@@ -37,6 +38,6 @@ test_load="$(load)"
 test_s="$(run test bash scripts/test.sh)"
 
 python3 "$ROOT/scripts/readme_timings.py" record "$COMMIT" "$demo_s" "$demo_load" "$MEASURE_DIR/demo.log" \
-  "$test_s" "$test_load" "$MEASURE_DIR/test.log"
+  "$test_s" "$test_load" "$MEASURE_DIR/test.log" "$MEASURE_DIR/demo/.venv/bin/python"
 python3 "$ROOT/scripts/readme_timings.py" readme
 echo "[measure_readme] recorded in docs/compat/readme_timings.jsonl; README's timings sentence regenerated" >&2

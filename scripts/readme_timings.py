@@ -2,7 +2,7 @@
 line per measurement to ``docs/compat/readme_timings.jsonl``, and the README's sentence between the
 markers is rendered from the file's last line.
 
-    python scripts/readme_timings.py record COMMIT DEMO_S DEMO_LOAD DEMO_LOG TEST_S TEST_LOAD TEST_LOG
+    python scripts/readme_timings.py record COMMIT DEMO_S DEMO_LOAD DEMO_LOG TEST_S TEST_LOAD TEST_LOG DEMO_PYTHON
     python scripts/readme_timings.py readme    # rewrite README's sentence between the markers
     python scripts/readme_timings.py check     # exit 1 when README's sentence differs from the file
 """
@@ -13,11 +13,12 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from compat_table import pytest_counts, sync_readme
+from compat_table import VERSIONS, pytest_counts, sync_readme
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = ROOT / "docs" / "compat" / "readme_timings.jsonl"
@@ -52,8 +53,16 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs"
 
 
+def installed(python: str) -> dict[str, str | None]:
+    """What the demo's venv ran on (its figures move with torch and NumPy, not only with the code)."""
+    versions = json.loads(subprocess.run([python, "-c", VERSIONS, "/nonexistent"], check=True, capture_output=True,
+                                         text=True).stdout)
+    versions.pop("transformers_floor")
+    return versions
+
+
 def record(commit: str, demo_s: str, demo_load: str, demo_log: str, test_s: str, test_load: str,
-           test_log: str) -> dict:
+           test_log: str, demo_python: str) -> dict:
     counts = pytest_counts(Path(test_log).read_text(errors="replace"))
     line = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
@@ -68,6 +77,7 @@ def record(commit: str, demo_s: str, demo_load: str, demo_log: str, test_s: str,
         "passed": counts["passed"],
         "failed": counts["failed"],
         "errors": counts["errors"],
+        "demo_installed": installed(demo_python),
     }
     TIMINGS.parent.mkdir(parents=True, exist_ok=True)
     with TIMINGS.open("a") as f:
@@ -101,7 +111,7 @@ def sentence(line: dict | None) -> str:
 
 def main(argv: list[str]) -> int:
     command, *args = argv or ["help"]
-    if command == "record" and len(args) == 7:
+    if command == "record" and len(args) == 8:
         print(json.dumps(record(*args)))
     elif command in ("readme", "check") and not args:
         return sync_readme(command, BEGIN, END, sentence(latest()), "readme_timings",
