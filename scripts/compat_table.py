@@ -75,7 +75,7 @@ def of(name):
         return version(name)
     except PackageNotFoundError:
         return None
-floor = [d.version for d in distributions(path=[sys.argv[1]]) if d.metadata["Name"] == "transformers"]
+floor = [d.version for d in distributions(path=sys.argv[1:]) if d.metadata["Name"] == "transformers"]
 print(json.dumps({"python": sys.version.split()[0], "torch": of("torch"), "numpy": of("numpy"),
                   "transformers": of("transformers"), "transformers_floor": floor[0] if floor else None,
                   "safetensors": of("safetensors"), "fairseq": of("fairseq-fixed")}))

@@ -28,7 +28,7 @@ run() {
   git -C "$MEASURE_DIR/$name" checkout -q "$COMMIT"
   echo "[measure_readme] $name: $* in $MEASURE_DIR/$name (load $(load)); log $MEASURE_DIR/$name.log" >&2
   local start=$SECONDS
-  (cd "$MEASURE_DIR/$name" && "$@") >"$MEASURE_DIR/$name.log" 2>&1 || die "$* failed; see $MEASURE_DIR/$name.log"
+  (cd "$MEASURE_DIR/$name" && env -u VENV "$@") >"$MEASURE_DIR/$name.log" 2>&1 || die "$* failed; see $MEASURE_DIR/$name.log"
   echo $((SECONDS - start))
 }
 

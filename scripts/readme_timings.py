@@ -53,11 +53,10 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs"
 
 
-def installed(python: str) -> dict[str, str | None]:
+def venv_versions(python: str) -> dict[str, str | None]:
     """What the demo's venv ran on (its figures move with torch and NumPy, not only with the code)."""
-    versions = json.loads(subprocess.run([python, "-c", VERSIONS, "/nonexistent"], check=True, capture_output=True,
-                                         text=True).stdout)
-    versions.pop("transformers_floor")
+    versions = json.loads(subprocess.run([python, "-c", VERSIONS], check=True, capture_output=True, text=True).stdout)
+    del versions["transformers_floor"]
     return versions
 
 
@@ -77,7 +76,7 @@ def record(commit: str, demo_s: str, demo_load: str, demo_log: str, test_s: str,
         "passed": counts["passed"],
         "failed": counts["failed"],
         "errors": counts["errors"],
-        "demo_installed": installed(demo_python),
+        "demo_installed": venv_versions(demo_python),
     }
     TIMINGS.parent.mkdir(parents=True, exist_ok=True)
     with TIMINGS.open("a") as f:

@@ -34,11 +34,11 @@ def _fairseq_input_error(exc: Optional[BaseException]) -> Optional[str]:
     if isinstance(exc, FileNotFoundError):
         if "Dataset not found" in str(exc):
             return f"{exc}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
-        what = f"{exc.strerror}: {exc.filename}"
+        what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
         name = os.path.basename(str(exc.filename or ""))
         if name.startswith("dict.") and name.endswith(".txt"):
             return f"{what}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
-        return f"{what}; check that the path exists and that no other run is using it"
+        return f"{what}; check that the path exists"
     if type(exc) is Exception and "--skip-invalid-size-inputs-valid-test" in str(exc):
         return str(exc).splitlines()[0]
     return None

@@ -99,13 +99,14 @@ def test_dictionary_mismatch_on_resume_keeps_the_checkpoint_in_place(outcomes):
 
 
 def test_only_a_missing_dictionary_or_data_set_is_blamed_on_the_data_directory():
-    """fairseq's save-dir check (create and remove ``<save_dir>/dummy``) raced by another run is not
-    a data problem; a missing ``dict.txt`` / ``dict.en.txt`` or split is."""
+    """A missing ``dict.txt`` / ``dict.en.txt`` or split is a data problem; any other missing file
+    (a checkpoint, a save dir's file) is named without blaming the data."""
     def message(filename):
         return _fairseq_input_error(FileNotFoundError(2, "No such file or directory", filename))
 
     for data_file in ("/d/dict.txt", "/d/dict.en.txt"):
         assert "check the data directory" in message(data_file) and data_file in message(data_file)
     assert "check the data directory" in _fairseq_input_error(FileNotFoundError("Dataset not found: train (/d)"))
-    other = message("/ckpt/dummy")
-    assert "/ckpt/dummy" in other and "data directory" not in other and "check that the path exists" in other
+    other = message("/ckpt/model.pt")
+    assert "/ckpt/model.pt" in other and "data directory" not in other and "check that the path exists" in other
+    assert _fairseq_input_error(FileNotFoundError("/x/module")) == "/x/module; check that the path exists"

@@ -148,12 +148,14 @@ def test_pipeline_sigkill_then_restart_is_exact(lm_data, tmp_path):
 
     def another_split_or_one_process(ref_dir: Path) -> list:
         """Another split, or one process, on copies of the uninterrupted run's stages (to fail),
-        each in its own save dir: fairseq's rank 0 checks its save dir by creating and removing
-        ``dummy`` there, so two runs starting in one dir can remove each other's file."""
+        each in a save dir of its own: a run that wrongly trained would overwrite only its copies,
+        not the stages the test reads afterwards."""
         def refuse_on_a_copy(name: str, args: list, world_size: int) -> None:
             save_dir = tmp_path / f"{name}_save"
             save_dir.mkdir()
-            for stage in ref_dir.glob("checkpoint_last-stage*.pt"):
+            stages = sorted(ref_dir.glob("checkpoint_last-stage*.pt"))
+            assert len(stages) == 2, stages
+            for stage in stages:
                 shutil.copy(stage, save_dir)
             refused[name] = fairseq_ranks("fairseq-train", [str(lm_data), "--save-dir", str(save_dir), *args],
                                           world_size, tmp_path / f"{name}_logs")

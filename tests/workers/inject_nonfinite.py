@@ -4,13 +4,15 @@ Usage: python inject_nonfinite.py STEP <fairseq-train args...>   (STEP+: at ever
 STEP@R: on distributed rank R only)
 Each trainer ``train_step`` call prints ``STEP {json}`` with the update counter, a
 checksum of the parameters, the fp16 loss scale, a checksum of the optimizer's state (moments
-and step counts) and the MoE layers' expert biases before and after the call.
+and step counts) and the MoE layers' expert biases before and after the call. Logged meters are
+not rounded (:mod:`unrounded_cli`).
 """
 
 import json
 import sys
 
 import torch
+from fairseq.logging import meters
 from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_cli.train import cli_main
 
@@ -83,5 +85,6 @@ TsTrainer.train_step = trainer_train_step
 TsTrainer._run_schedule = run_schedule
 
 if __name__ == "__main__":
+    meters.safe_round = lambda number, ndigits: number.item() if hasattr(number, "item") else number
     sys.argv[0] = "fairseq-train"
     cli_main()

@@ -41,6 +41,9 @@ REPLACED: list[tuple[str, str, str]] = [
      "compat: --fp16's flat fp32 master calls torch.cuda.current_device() (fails on CPU)"),
     ("fairseq.data.iterators", "BackgroundConsumer",
      "compat: the batch prefetch thread, still collating at exit, aborts the process (bpo-42969)"),
+    ("fairseq.checkpoint_utils", "verify_checkpoint_directory",
+     "compat: the save-dir check creates and removes a file named dummy there (runs starting in one dir remove "
+     "each other's; a user's dummy is deleted)"),
     ("fairseq.distributed.utils", "distributed_init",
      "tensor parallelism: our groups and RNG streams instead of the Megatron submodule"),
     ("fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
