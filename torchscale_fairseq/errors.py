@@ -32,11 +32,9 @@ def _fairseq_input_error(exc: Optional[BaseException]) -> Optional[str]:
     found``, a missing ``dict.txt``), any other missing file, and samples longer than the
     model's positions."""
     if isinstance(exc, FileNotFoundError):
-        if "Dataset not found" in str(exc):
-            return f"{exc}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
         what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
         name = os.path.basename(str(exc.filename or ""))
-        if name.startswith("dict.") and name.endswith(".txt"):
+        if "Dataset not found" in str(exc) or (name.startswith("dict.") and name.endswith(".txt")):
             return f"{what}; check the data directory, or create it with fairseq-preprocess (or data_prep/)"
         return f"{what}; check that the path exists"
     if type(exc) is Exception and "--skip-invalid-size-inputs-valid-test" in str(exc):
