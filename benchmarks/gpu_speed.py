@@ -1,5 +1,6 @@
-"""Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` and a 1.3B model as
-users train them (sequence 2048, GPT-2's 50,257-token vocabulary, bf16), the plugin's default
+"""Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` (16 x 2048 tokens per
+update) and a 1.3B model (8 x 2048) as users train them (sequence 2048, GPT-2's 50,257-token
+vocabulary, bf16; the fast path also at the earlier runs' 8 and 4 sequences), the plugin's default
 path ("baseline") and its fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
 ts_adamw --ts-sync-free-step``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
 on the same data, a profile of one update of every run (``train_profile.py``: where the time
@@ -46,9 +47,9 @@ from mfu import flops_per_token, gemm_flops_per_s
 
 GPT2_VOCAB = 50257
 SEQ = 2048
-CONFIGS = {  # name: (layers width heads FFN, sequences per update)
-    "ts_lm_large": ("12 1024 16 4096", 8),
-    "1p3b": ("24 2048 16 8192", 4),
+CONFIGS = {  # name: (layers width heads FFN, sequences per update, the earlier runs' sequences per update)
+    "ts_lm_large": ("12 1024 16 4096", 16, 8),
+    "1p3b": ("24 2048 16 8192", 8, 4),
 }
 FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw", "--ts-sync-free-step"]
 TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
@@ -151,9 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", type=Path, help="per-run logs and profiles (default: a temp dir)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="binarised LM data; made there (synthetic text, GPT-2-sized dictionary) if missing")
-    p.add_argument("--only", nargs="+", help="run names to run (large_fast large_base large_fastp0 stock "
-                                              "1p3b_fast 1p3b_base 1p3b_fastp0 1p3b_fp8 1p3b_fp8rw; *_fastp0: "
-                                              "--dropout 0; *_fp8: --fp8 tensorwise, *_fp8rw: rowwise)")
+    p.add_argument("--only", nargs="+", help="run names to run (large_fast stock 1p3b_fast 1p3b_fp8 1p3b_fp8rw "
+                                              "large_base large_fast_b8 1p3b_base 1p3b_fast_b4; *_fp8: --fp8 "
+                                              "tensorwise, *_fp8rw: rowwise; *_b8 / *_b4: the earlier micro-batch)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
     args = p.parse_args(argv)
@@ -163,9 +164,9 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="ts_gpu_speed_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     vocab = 500 if args.toy else GPT2_VOCAB
-    configs = {"toy": ("2 64 2 128", 2)} if args.toy else CONFIGS
+    configs = {"toy": ("2 64 2 128", 2, 1)} if args.toy else CONFIGS
     window, profile = ((2, 3), 4) if args.toy else (WINDOW, PROFILE)
-    tokens_needed = max(b for _, b in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
+    tokens_needed = max(c[1] for c in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
     data = gpt2_sized_data(args.data.parent, tokens_needed, vocab) if not args.toy else \
         gpt2_sized_data(log_dir / "data", tokens_needed, vocab)
     vocab_padded = sum(1 for _ in (data / "dict.txt").open()) + 4
@@ -176,28 +177,8 @@ def main(argv=None) -> int:
         summary["output_gemm_ms"] = output_gemm_widths(8 * SEQ, 1024, [vocab_padded, -(-vocab_padded // 128) * 128],
                                                        device)
         print(json.dumps({k: summary[k] for k in ("sdpa_ms", "output_gemm_ms")}), flush=True)
-    plan = []
-    for cname, (dims, batch) in configs.items():
-        arch = ["--user-dir", str(USER_DIR), "--arch", "ts_lm_large", *decoder_dim_flags(dims), "--backbone", "magneto"]
-        short = "large" if cname == "ts_lm_large" else cname
-        plan.append((f"{short}_fast", cname, arch + FAST, batch))
-        plan.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch))
-        plan.append((f"{short}_fastp0", cname, arch + FAST + ["--dropout", "0.0"], batch))
-        if cname == "1p3b":
-            why_not = fp8_unavailable(device)
-            for name, recipe in FP8_RUNS.items():
-                if why_not is None:
-                    plan.append((name, cname, arch + FAST + ["--fp8", recipe], batch))
-                else:
-                    print(f"not run: {name} ({why_not})", flush=True)
-        if cname in ("ts_lm_large", "toy"):
-            width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
-            # the plugin's trainer: stock fairseq's --bf16 runs on TPUs only; model and loss are stock fairseq's
-            stock = ["--user-dir", str(USER_DIR), "--arch", "transformer_lm", *decoder_dim_flags(dims),
-                     "--decoder-input-dim", width,
-                     "--decoder-output-dim", width, "--optimizer", "adam"]
-            plan.append(("stock", cname, stock, batch))
-    for name, cname, flags, batch in plan:
+    plan = run_plan(configs, device)
+    for name, cname, flags, batch, metric_suffix in plan:
         if args.only and name not in args.only:
             continue
         tokens = batch * (SEQ if not args.toy else 64)
@@ -206,13 +187,41 @@ def main(argv=None) -> int:
         if result is not None:
             result["flops_per_token"] = flops_per_token(vocab_padded, SEQ if not args.toy else 64,
                                                         configs[cname][0])["total"]
+            result["batch"] = batch
             summary["runs"][name] = result
-            record(name, cname, result, summary["runs"], peak_before, args.results, device)
+            record(name, cname, metric_suffix, result, summary["runs"], peak_before, args.results, device)
     summary["gemm_peak"] = [peak_before, gemm_flops_per_s(8192, 8192, 8192, 20, device, "bf16") if cuda else None]
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     print_table(summary["runs"])
     return 0
+
+
+def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int, str | None]]:
+    """(run name, config, fairseq-train flags, sequences per update, metric suffix or None), the runs
+    behind the issue's metrics first: the fast path, stock, FP8; then the default path ("base") and
+    the fast path at the earlier runs' micro-batch ("_b8" / "_b4"), which a short lease may not reach."""
+    first, then = [], []
+    for cname, (dims, batch, earlier_batch) in configs.items():
+        arch = ["--user-dir", str(USER_DIR), "--arch", "ts_lm_large", *decoder_dim_flags(dims), "--backbone", "magneto"]
+        short = "large" if cname == "ts_lm_large" else cname
+        first.append((f"{short}_fast", cname, arch + FAST, batch, ""))
+        if cname in ("ts_lm_large", "toy"):
+            width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
+            # the plugin's trainer: stock fairseq's --bf16 runs on TPUs only; model and loss are stock fairseq's
+            stock = ["--user-dir", str(USER_DIR), "--arch", "transformer_lm", *decoder_dim_flags(dims),
+                     "--decoder-input-dim", width, "--decoder-output-dim", width, "--optimizer", "adam"]
+            first.append(("stock", cname, stock, batch, None))
+        if cname == "1p3b":
+            why_not = fp8_unavailable(device)
+            for name, recipe in FP8_RUNS.items():
+                if why_not is None:
+                    first.append((name, cname, arch + FAST + ["--fp8", recipe], batch, None))
+                else:
+                    print(f"not run: {name} ({why_not})", flush=True)
+        then.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch, "_baseline"))
+        then.append((f"{short}_fast_b{earlier_batch}", cname, arch + FAST, earlier_batch, f"_b{earlier_batch}"))
+    return first + then
 
 
 def fp8_unavailable(device: str) -> str | None:
@@ -230,10 +239,10 @@ def fp8_unavailable(device: str) -> str | None:
     return None
 
 
-def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path, device: str) -> None:
+def record(name: str, config: str, suffix: str | None, r: dict, runs: dict, peak: float, path: Path,
+           device: str) -> None:
     """One run's metrics as JSON lines, as soon as it is measured (MFU of the fast path under the issue's
-    names, of the default path with ``_baseline``; the fast path over stock once both ran)."""
-    suffix = {"fast": "", "base": "_baseline", "fastp0": "_dropout0"}.get(name.rsplit("_", 1)[-1])
+    names, of other runs with ``suffix``; the fast path over stock once both ran)."""
     if suffix is not None:
         achieved = r["tokens_per_s"] * r["flops_per_token"]
         rows = [(f"mfu_datasheet_{config}{suffix}", achieved / DATASHEET_BF16,
@@ -259,17 +268,29 @@ def record(name: str, config: str, r: dict, runs: dict, peak: float, path: Path,
 
 
 def print_table(runs: dict) -> None:
-    """Where each run's profiled update spent its time (ms and share of the step)."""
+    """Where each run's profiled update spent its time (ms and share of the step), then the window's
+    time per update beside the profiled update's device-busy and host times."""
     names = ("gemm", "attention", "norms_elementwise", "loss", "optimizer", "copies", "idle")
-    print("\n| run | tokens/s | step ms | " + " | ".join(names) + " | host syncs |")
-    print("|---|---|---|" + "---|" * len(names) + "---|")
+    print("\n| run | batch | tokens/s | step ms | " + " | ".join(names) + " | host syncs |")
+    print("|---|---|---|---|" + "---|" * len(names) + "---|")
     for name, r in runs.items():
         prof = r.get("profile")
         if prof is None:
-            print(f"| {name} | {r['tokens_per_s']:,.0f} | - |" + " - |" * len(names) + " - |")
+            print(f"| {name} | {r['batch']} | {r['tokens_per_s']:,.0f} | - |" + " - |" * len(names) + " - |")
             continue
         cells = " | ".join(f"{prof['rows_ms'][k]:.1f} ({100 * prof['rows_share'][k]:.0f}%)" for k in names)
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {prof['step_ms']:.1f} | {cells} | {prof['host_syncs']} |")
+        print(f"| {name} | {r['batch']} | {r['tokens_per_s']:,.0f} | {prof['step_ms']:.1f} | {cells} | "
+              f"{prof['host_syncs']} |")
+    ranges = ("forward", "backward", "clip-grads", "optimizer")
+    print("\n| run | ms/update (window) | device busy | host in step | host between steps | "
+          + " | ".join(f"host {k}" for k in ranges) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(ranges))
+    for name, r in runs.items():
+        prof = r.get("profile") or {}
+        cells = [f"{prof[k]:.1f}" if k in prof else "-" for k in ("busy_ms", "host_ms")]
+        cells += [f"{r['between_steps_ms']:.1f}"]
+        cells += [f"{prof['host_ranges_ms'][k]:.1f}" if prof else "-" for k in ranges]
+        print(f"| {name} | {r['ms_per_update']:.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

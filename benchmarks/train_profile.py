@@ -18,7 +18,17 @@ by :func:`summarise` into the issue's rows:
 - ``norms_elementwise``: every other kernel (LayerNorms, GELU, dropout, residual adds, ...);
 - ``idle``: step time not covered by any kernel (launch gaps, host work, host syncs);
 - ``host_syncs``: ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize``
-  calls in the step, and where each came from (the first frame in fairseq or this plugin).
+  calls in the step, and where each came from (the first frame in fairseq or this plugin);
+- ``busy_ms``: the step's time covered by kernels; ``host_ms``: the step's time on the calling
+  thread outside those sync calls (the host's work for the update), and ``host_ranges_ms``, the
+  same per fairseq range (``forward``, ``backward``, ``optimizer``, ...).
+
+The profiled update starts on an idle device and ends with a sync, so its idle row also holds
+host work that a run without syncs overlaps with the previous update's kernels. What a run
+overlaps is read from the window: ``ms_per_update`` (window seconds / updates) and
+``between_steps_ms`` (the host's time per update outside ``train_step``: fairseq's loop, the
+data iterator, logging). A step is device-bound where ``busy_ms`` is close to ``ms_per_update``,
+host-bound where ``host_ms + between_steps_ms`` is.
 
 The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
 profile's rows (ms and share of the step) and the 15 longest kernels.
@@ -46,6 +56,7 @@ COPY_OPS = re.compile(r"^aten::(copy_|to|_to_copy|cat|contiguous|clone|stack|ind
 LOSS_OPS = re.compile(r"log_softmax|nll_loss|cross_entropy|LogSoftmaxBackward|NllLossBackward|_LinearCrossEntropy"
                       r"|ts_loss")
 OPTIMIZER_RANGES = ("optimizer", "clip-grads", "multiply-grads", "reduce-grads")
+HOST_RANGES = ("forward", "backward", *OPTIMIZER_RANGES)  # fairseq's record_function ranges of a step
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 ROWS = ("gemm", "attention", "norms_elementwise", "loss", "optimizer", "copies", "idle")
 STEP_RANGE = "ts_profiled_step"
@@ -105,13 +116,28 @@ def summarise(trace: dict) -> dict[str, Any]:
             row = "norms_elementwise"
         rows[row] += ms
     step_ms = (hi - lo) / 1e3
-    rows["idle"] = step_ms - _union_length(busy) / 1e3
+    busy_ms = _union_length(busy) / 1e3
+    rows["idle"] = step_ms - busy_ms
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS and lo <= e["ts"] <= hi]
+    waits = [(e["ts"], e["ts"] + e["dur"]) for e in syncs if e["tid"] == step["tid"]]
+
+    def host_ms(start: float, end: float) -> float:
+        """Wall time of [start, end] on the step's thread less the sync calls' waits inside it."""
+        waited = _union_length([(max(s, start), min(e, end)) for s, e in waits if min(e, end) > max(s, start)])
+        return (end - start - waited) / 1e3
+
+    ranges: dict[str, float] = Counter()
+    for e in ops_by_tid.get(step["tid"], []):
+        if e.get("cat") == "user_annotation" and e["name"] in HOST_RANGES:
+            ranges[e["name"]] += host_ms(e["ts"], e["ts"] + e["dur"])
     return {
         "step_ms": step_ms,
         "rows_ms": {r: rows.get(r, 0.0) for r in ROWS},
         "rows_share": {r: rows.get(r, 0.0) / step_ms for r in ROWS},
         "host_syncs": max(len(syncs) - 1, 0),  # the last one is the profiler's own, closing the step
+        "busy_ms": busy_ms,
+        "host_ms": host_ms(lo, hi),
+        "host_ranges_ms": {r: ranges.get(r, 0.0) for r in HOST_RANGES},
         "top_kernels": [{"name": n, "ms": ms} for n, ms in kernels.most_common(15)],
     }
 
@@ -152,8 +178,10 @@ def sync_sites(cuda: bool):
 
 
 def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_per_update: int) -> None:
-    """Time updates ``first``..``last`` (inclusive; update k is the one that starts with
-    ``get_num_updates() == k - 1``) and profile update ``profile_at``, writing ``out``."""
+    """Time updates ``first``..``last`` (update k is the one that starts with ``get_num_updates() ==
+    k - 1``), each with the loop after it: the window runs from update ``first``'s start to update
+    ``last + 1``'s, the device synchronised at both ends only; profile update ``profile_at`` (after
+    the window); write ``out``."""
     from fairseq.trainer import Trainer
 
     original = Trainer.train_step
@@ -166,9 +194,19 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
         update = self.get_num_updates() + 1
         if update == first:
             sync()
-            marks["start"] = time.perf_counter()
+            marks["start"], marks["outside"] = time.perf_counter(), 0.0
+        elif first < update <= last + 1:
+            marks["outside"] += time.perf_counter() - marks["returned"]
+        if update == last + 1:
+            sync()
+            seconds, updates = time.perf_counter() - marks["start"], last - first + 1
+            result["window_seconds"] = seconds
+            result["tokens_per_s"] = tokens_per_update * updates / seconds
+            result["ms_per_update"] = 1e3 * seconds / updates
+            result["between_steps_ms"] = 1e3 * marks["outside"] / updates
         if update != profile_at:
             output = original(self, samples, raise_oom)
+            marks["returned"] = time.perf_counter()
         else:
             from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -180,16 +218,10 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
                     sync()
             trace_path = out.with_suffix(".trace.json")
             prof.export_chrome_trace(str(trace_path))
-            if cuda:
-                result["profile"] = summarise(json.loads(trace_path.read_text()))
+            result["profile"] = summarise(json.loads(trace_path.read_text()))  # on a CPU: host times only
             result["sync_sites"] = dict(sites.most_common())
             trace_path.unlink()
-        if update == last:
-            sync()
-            seconds = time.perf_counter() - marks["start"]
-            result["window_seconds"] = seconds
-            result["tokens_per_s"] = tokens_per_update * (last - first + 1) / seconds
-        if update == max(last, profile_at):
+        if update == profile_at:
             out.write_text(json.dumps(result, indent=1))
         return output
 

@@ -1,6 +1,7 @@
 """``benchmarks/train_profile.py``'s trace summary against a step worked out by hand: kernels
 fall in the rows by name and by the range or op that launched them, idle time is the step not
-covered by any kernel (overlaps counted once), and the profiler's closing sync is not a host sync."""
+covered by any kernel (overlaps counted once), the profiler's closing sync is not a host sync, and
+the host's time is the step less its thread's waits; and its timed window on a clock the test moves."""
 
 from __future__ import annotations
 
@@ -55,3 +56,89 @@ def test_rows_idle_and_syncs_of_a_hand_made_step():
     assert ms["idle"] == pytest.approx(3.0)
     assert got["host_syncs"] == 1
     assert got["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16", "ms": 2.0}
+
+
+def test_host_time_is_the_step_less_the_waits_of_its_own_thread():
+    """``host_ms``: the step's 10 ms less the 1 ms the forward waited in a sync and the 3 ms of the
+    closing sync; a wait on another thread is not the step's; per range, each range's own waits."""
+    sync = {"ph": "X", "cat": "cuda_runtime", "args": {}}
+    events = [
+        op(STEP_RANGE, 0, 10_000, cat="user_annotation"),
+        op("forward", 100, 3000, cat="user_annotation"),
+        {**sync, "name": "cudaStreamSynchronize", "ts": 2000, "dur": 1000, "tid": 1},
+        op("backward", 3100, 3000, cat="user_annotation"),
+        {**sync, "name": "cudaStreamSynchronize", "ts": 4000, "dur": 2000, "tid": 2},
+        op("optimizer", 6100, 500, cat="user_annotation"),
+        *kernel("fused_adamw_kernel", 6500, 500, 6200, 1),
+        {**sync, "name": "cudaDeviceSynchronize", "ts": 7000, "dur": 3000, "tid": 1},
+    ]
+    got = summarise({"traceEvents": events})
+    assert got["host_ms"] == pytest.approx(6.0)
+    assert got["host_ranges_ms"]["forward"] == pytest.approx(2.0)
+    assert got["host_ranges_ms"]["backward"] == pytest.approx(3.0)
+    assert got["host_ranges_ms"]["optimizer"] == pytest.approx(0.5)
+    assert got["host_ranges_ms"]["clip-grads"] == 0.0
+    assert got["busy_ms"] == pytest.approx(0.5)
+    assert got["host_syncs"] == 2
+
+
+def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(tmp_path, monkeypatch):
+    """Updates 1-3 timed on a clock the test moves: 10 ms in each ``train_step`` and 25 ms of the
+    trainer's loop after it, so 35 ms per update of which 25 between steps; update 4 is profiled
+    (no CUDA here: its sync sites only) and closes the window."""
+    import json
+
+    import fairseq.trainer
+    import train_profile
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(train_profile.time, "perf_counter", lambda: clock["now"])
+
+    class Trainer:
+        updates = 0
+
+        def get_num_updates(self):
+            return self.updates
+
+        def train_step(self, samples, raise_oom=False):
+            clock["now"] += 0.010
+            self.updates += 1
+
+    monkeypatch.setattr(fairseq.trainer, "Trainer", Trainer)
+    out = tmp_path / "run.json"
+    train_profile.wrap_train_step(1, 3, 4, out, tokens_per_update=300)
+    trainer = Trainer()
+    for _ in range(4):
+        trainer.train_step(None)
+        clock["now"] += 0.025
+    got = json.loads(out.read_text())
+    assert got["ms_per_update"] == pytest.approx(35.0)
+    assert got["between_steps_ms"] == pytest.approx(25.0)
+    assert got["tokens_per_s"] == pytest.approx(900 / 0.105)
+    assert got["window"] == [1, 3] and got["sync_sites"] == {}
+
+
+def test_a_real_cpu_run_finds_fairseqs_ranges_in_the_profiled_step(lm_data, tmp_path):
+    """The whole script on a tiny ``ts_lm`` (CPU): the profiler's trace has fairseq's ``forward``,
+    ``backward`` and ``optimizer`` ranges on the step's thread (the names :data:`HOST_RANGES` reads),
+    with no kernels the host's time is the whole step, and the window's figures are consistent."""
+    import json
+
+    from tests.helpers.cli_utils import USER_DIR, run
+
+    out = tmp_path / "run.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_profile.py"
+    run([sys.executable, str(script), "--time", "2:3", "--profile", "4", "--tokens", "64", "--out", str(out), "--",
+         str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm", "--decoder-layers", "1",
+         "--decoder-embed-dim", "32", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "64",
+         "--tokens-per-sample", "32", "--sample-break-mode", "none", "--batch-size", "2", "--optimizer", "adam",
+         "--lr", "1e-3", "--cpu", "--disable-validation", "--no-save", "--save-dir", str(tmp_path / "ckpt"),
+         "--num-workers", "0", "--seed", "1"], cwd=tmp_path)
+    got = json.loads(out.read_text())
+    prof = got["profile"]
+    assert prof["busy_ms"] == 0.0 and prof["host_ms"] == pytest.approx(prof["step_ms"])
+    ranges = prof["host_ranges_ms"]
+    assert all(ranges[k] > 0 for k in ("forward", "backward", "optimizer"))
+    assert sum(ranges.values()) <= prof["host_ms"]
+    assert got["ms_per_update"] == pytest.approx(got["window_seconds"] * 1e3 / 2)
+    assert 0 < got["between_steps_ms"] < got["ms_per_update"]
