@@ -16,7 +16,10 @@ layer at every E are interleaved in one loop (order reversed every other round),
 all of them see the same machine: on the shared 2-core VM, speed drifts by 10-15% over
 minutes and single steps vary by +-10%, and timing one E after another made the drift
 look like growth with E (or hid it). Reported: the best and the median of ``--repeats``
-runs after one warm-up; the one-hot reference is the best of up to 3.
+runs after one warm-up; the one-hot reference is the best of up to 3. Beside them, where a step's
+time goes: its median host time (until the step returns, before the closing sync: on a GPU a
+step whose host time is its whole time is bound by its launches, not by the device) and the aten
+ops one step dispatches (eager, about one kernel launch each, views aside).
 
 Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``;
 on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``). The
@@ -46,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import DTYPES, append_results, device_line, load_average, now
+from benchmarks.step_overhead import OpCounter
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import grouped_mm_fits
@@ -63,19 +67,25 @@ def _ms(seconds: float) -> str:
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
-def interleaved_times(fns: list, repeats: int) -> list[list[float]]:
+def interleaved_times(fns: list, repeats: int, host: list[list[float]] | None = None) -> list[list[float]]:
     """``repeats`` timed runs of each of ``fns`` after one warm-up run each, interleaved, in
     reverse order every other round (so no function always runs after the same one); GPU
-    work is waited for before and after each run."""
+    work is waited for before and after each run. ``host``: filled with each run's host time,
+    until the function returns (on a GPU, before the device has finished: a run whose host time
+    is its whole time is bound by its launches)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
+    if host is not None:
+        host[:] = [[] for _ in fns]
     for round_ in range(repeats):
         order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
         for i in order:
             _synchronize()
             start = time.perf_counter()
             fns[i]()
+            if host is not None:
+                host[i].append(time.perf_counter() - start)
             _synchronize()
             times[i].append(time.perf_counter() - start)
     return times
@@ -96,6 +106,14 @@ def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
         out = call(x)
         (out[0] if isinstance(out, tuple) else out).sum().backward()
     return step
+
+
+def aten_ops(step) -> int:
+    """Aten ops one run of ``step`` dispatches (eager: about one launch each on a GPU, views aside)."""
+    with OpCounter() as counter:
+        step()
+    _synchronize()
+    return counter.total
 
 
 def one_hot_step(layer: MoELayer, x: torch.Tensor):
@@ -163,14 +181,20 @@ def main() -> None:
             layer = first if mode == modes[0] else copy.deepcopy(first)
             layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[mode]
             layers[(e, mode)] = layer
-    samples = interleaved_times([fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())], args.repeats)
-    best = dict(zip(["dense", *layers], (min(t) for t in samples)))
-    median = dict(zip(["dense", *layers], (statistics.median(t) for t in samples)))
-    print(f"dense FFN: best {_ms(best['dense'])} ms, median {_ms(median['dense'])} ms")
+    steps = [fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())]
+    host_samples: list[list[float]] = []
+    samples = interleaved_times(steps, args.repeats, host_samples)
+    names = ["dense", *layers]
+    best = dict(zip(names, (min(t) for t in samples)))
+    median = dict(zip(names, (statistics.median(t) for t in samples)))
+    host = dict(zip(names, (statistics.median(t) for t in host_samples)))
+    ops = dict(zip(names, (aten_ops(step) for step in steps)))
+    print(f"dense FFN: best {_ms(best['dense'])} ms, median {_ms(median['dense'])} ms, host {_ms(host['dense'])} ms "
+          f"(median), {ops['dense']} aten ops per step")
     scale = dense_equivalents
     print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
-          "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio | MoE host (ms, median) | aten ops |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (e, mode), layer in layers.items():
         if e <= args.skip_one_hot_above and mode == modes[0]:
             t_ref = best_times([one_hot_step(layer, x)], max(1, min(3, args.repeats - 1)))[0]
@@ -180,7 +204,7 @@ def main() -> None:
         versus = f"{median[(e, 'grouped')] / median[(e, 'loop')]:.2f}" if len(modes) == 2 else "-"
         print(f"| {e} | {mode} | {_ms(best[(e, mode)])} | {_ms(median[(e, mode)])} | "
               f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
-              f"{versus} | {ref} |", flush=True)
+              f"{versus} | {ref} | {_ms(host[(e, mode)])} | {ops[(e, mode)]} |", flush=True)
     judged = modes[0]
     if args.expert_gemm == "both":  # the layer's own choice on this device (grouped_mm_fits)
         experts = layers[(args.experts[0], "grouped")].experts
