@@ -106,21 +106,22 @@ def _groups(counts: list[int]):
 class RowGroups:
     """Rows grouped by expert as ``torch._grouped_mm`` takes them, made on the device from the
     counts (no host read): ``offs`` (E,) int32 group ends, ``expert`` (N,) each row's expert
-    (the last one for the rows after the groups), ``valid`` (N, 1): the row is in a group."""
+    (the last one for the rows after the groups), ``outside`` (N, 1): the row is in no group."""
 
     offs: torch.Tensor
     expert: torch.Tensor
-    valid: torch.Tensor
+    outside: torch.Tensor
 
     @classmethod
     def of(cls, counts: torch.Tensor, rows: int) -> "RowGroups":
         offs = torch.cumsum(counts, 0).to(torch.int32)
         expert = torch.searchsorted(offs, torch.arange(rows, device=counts.device, dtype=torch.int32), right=True)
-        return cls(offs, expert.clamp(max=counts.numel() - 1), (expert < counts.numel()).unsqueeze(1))
+        return cls(offs, expert.clamp(max=counts.numel() - 1), (expert >= counts.numel()).unsqueeze(1))
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with the rows after the groups set to zero (``torch._grouped_mm`` leaves them undefined)."""
-        return torch.where(self.valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        """``x`` with the rows after the groups set to zero (``torch._grouped_mm`` leaves them undefined):
+        one kernel, with no zero tensor made for it."""
+        return x.masked_fill(self.outside, 0)
 
 
 class GroupedLinear(torch.autograd.Function):
