@@ -18,8 +18,8 @@ minutes and single steps vary by +-10%, and timing one E after another made the 
 look like growth with E (or hid it). Reported: the best and the median of ``--repeats``
 runs after one warm-up; the one-hot reference is the best of up to 3. Beside them, where a step's
 time goes: its median host time (until the step returns, before the closing sync: on a GPU a
-step whose host time is its whole time is bound by its launches, not by the device) and the aten
-ops one step dispatches (eager, about one kernel launch each, views aside).
+step whose host time is its whole time is bound by its launches, not by the device) and the kernels
+one step launches (:func:`launches`).
 
 Usage: ``.venv/bin/python benchmarks/moe_layer.py [--tokens 8192] [--repeats 12] [--threads 1]``;
 on a GPU ``--device cuda --dtype bf16`` (each timed run ends with ``torch.cuda.synchronize``). The
@@ -49,7 +49,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import DTYPES, append_results, device_line, load_average, now
-from benchmarks.step_overhead import OpCounter
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import grouped_mm_fits
@@ -108,12 +107,31 @@ def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
     return step
 
 
-def aten_ops(step) -> int:
-    """Aten ops one run of ``step`` dispatches (eager: about one launch each on a GPU, views aside)."""
-    with OpCounter() as counter:
+ROUTED = ", compiled routing"  # the twin of a layer with --compiled-routing both
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def launches(step) -> int:
+    """Kernels one run of ``step`` launches, as the profiler sees them: on a GPU the runtime's launch
+    calls; on a CPU the aten ops called from outside any other aten op (a compiled graph's fused
+    kernels are not aten ops: they count as none, its fallback ops each as one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-    _synchronize()
-    return counter.total
+        _synchronize()
+    if cuda:
+        return sum(1 for e in prof.events() if e.name in LAUNCHES)
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
 
 
 def one_hot_step(layer: MoELayer, x: torch.Tensor):
@@ -158,7 +176,14 @@ def main() -> None:
     parser.add_argument("--compile", default="none", metavar="BACKEND",
                         help="the dense FFN and every MoE layer through torch.compile with this backend (inductor on "
                              "a GPU: fewer launches; aot_eager checks the path on a CPU); none: eager")
+    parser.add_argument("--compiled-routing", default="off", choices=["off", "on", "both"],
+                        help="the MoE layers' routing compiled as one graph (--moe-compiled-routing on), eager (off), "
+                             "or both: a twin of every layer with the same weights (metrics suffixed "
+                             "_compiled_routing); for eager layers (--compile compiles the whole layer)")
     args = parser.parse_args()
+    if args.compile != "none" and args.compiled_routing != "off":
+        parser.error(f"--compiled-routing {args.compiled_routing} is for eager layers: --compile {args.compile} "
+                     "compiles the routing with the whole layer (drop one of them)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = (args.tokens // 512, 512, args.dim) if args.tokens % 512 == 0 else (1, args.tokens, args.dim)
@@ -180,7 +205,12 @@ def main() -> None:
         for mode in modes:
             layer = first if mode == modes[0] else copy.deepcopy(first)
             layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[mode]
+            layer.compiled_routing = args.compiled_routing == "on"
             layers[(e, mode)] = layer
+            if args.compiled_routing == "both":  # the same weights, the routing compiled (--moe-compiled-routing on)
+                twin = copy.deepcopy(layer)
+                twin.compiled_routing = True
+                layers[(e, mode + ROUTED)] = twin
     steps = [fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())]
     host_samples: list[list[float]] = []
     samples = interleaved_times(steps, args.repeats, host_samples)
@@ -188,12 +218,12 @@ def main() -> None:
     best = dict(zip(names, (min(t) for t in samples)))
     median = dict(zip(names, (statistics.median(t) for t in samples)))
     host = dict(zip(names, (statistics.median(t) for t in host_samples)))
-    ops = dict(zip(names, (aten_ops(step) for step in steps)))
+    ops = dict(zip(names, (launches(step) for step in steps)))
     print(f"dense FFN: best {_ms(best['dense'])} ms, median {_ms(median['dense'])} ms, host {_ms(host['dense'])} ms "
-          f"(median), {ops['dense']} aten ops per step")
+          f"(median), {ops['dense']} launches per step")
     scale = dense_equivalents
     print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
-          "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio | MoE host (ms, median) | aten ops |")
+          "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio | MoE host (ms, median) | launches |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (e, mode), layer in layers.items():
         if e <= args.skip_one_hot_above and mode == modes[0]:
@@ -209,20 +239,23 @@ def main() -> None:
     if args.expert_gemm == "both":  # the layer's own choice on this device (grouped_mm_fits)
         experts = layers[(args.experts[0], "grouped")].experts
         judged = "grouped" if grouped_mm_fits(x, experts.fc1_weight) else "loop"
-    ratios = {e: median[(e, judged)] / (scale * median["dense"]) for e in args.experts}
-    worst = max(ratios, key=ratios.get)
-    if args.results:
-        compiled = args.compile != "none"
-        rows = [(f"moe_vs_dense_{'compiled' if compiled else 'eager'}_max", ratios[worst], 1.15 if compiled else 2.0)]
-        if 64 in args.experts:  # forward + backward FLOPs of the experts: 3 x 2 x tokens x k x (2 x d x width)
-            flops = 3 * 2 * args.tokens * args.top_k * 2 * args.dim * width
-            rows.append((f"moe_tflops_e64{'' if compiled else '_eager'}", flops / median[(64, judged)] / 1e12, None))
-        append_results(args.results, rows, args.device, "benchmarks/moe_layer.py " + " ".join(sys.argv[1:]))
-    verdict = "PASS" if ratios[worst] <= args.target else "FAIL"
-    print(f"RESULT MoE layer ({judged}) / {scale:g}x dense FFN (median): "
-          f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {args.target}: {verdict} "
-          f"(worst E={worst})", flush=True)
-
+    for variant in [judged] + ([judged + ROUTED] if args.compiled_routing == "both" else []):
+        ratios = {e: median[(e, variant)] / (scale * median["dense"]) for e in args.experts}
+        worst = max(ratios, key=ratios.get)
+        suffix = "_compiled_routing" if variant.endswith(ROUTED) or args.compiled_routing == "on" else ""
+        if args.results:
+            compiled = args.compile != "none"
+            rows = [(f"moe_vs_dense_{'compiled' if compiled else 'eager'}_max{suffix}", ratios[worst],
+                     1.15 if compiled else 2.0)]
+            if 64 in args.experts:  # forward + backward FLOPs of the experts: 3 x 2 x tokens x k x (2 x d x width)
+                flops = 3 * 2 * args.tokens * args.top_k * 2 * args.dim * width
+                rows.append((f"moe_tflops_e64{'' if compiled else '_eager'}{suffix}",
+                             flops / median[(64, variant)] / 1e12, None))
+            append_results(args.results, rows, args.device, "benchmarks/moe_layer.py " + " ".join(sys.argv[1:]))
+        verdict = "PASS" if ratios[worst] <= args.target else "FAIL"
+        print(f"RESULT MoE layer ({variant}) / {scale:g}x dense FFN (median): "
+              f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {args.target}: {verdict} "
+              f"(worst E={worst})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -177,9 +177,10 @@ def test_moe_layers_share_one_graph_at_any_depth(dynamo_only_layers):
 
 def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
     """An MoE translation model's layers are four kinds (dense or MoE, encoder or decoder), each compiled
-    for training and for validation, with static and then dynamic lengths: more cache entries of the one
-    compiled function than dynamo's default recompile limit (8), past which a layer runs eager. Every
-    frame compiles (``COMPILED_LAYER_ENTRIES``) through training and validation at three batch shapes."""
+    for training and for validation, with static and then dynamic lengths: at least dynamo's default
+    recompile limit (8) of cache entries of the one compiled function, past which a layer would run eager
+    (more before the MoE capacity of an unpadded batch stopped specialising a graph to its token count).
+    Every frame compiles (``COMPILED_LAYER_ENTRIES``) through training and validation at three batch shapes."""
     torch.set_num_threads(1)
     d = dictionary()
     g = torch.Generator().manual_seed(0)
@@ -203,5 +204,5 @@ def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
         return run
 
     run = _compiled_run(model, [step(batch) for batch in batches])
-    assert run["frames"]["total"] == run["frames"]["ok"] > 8, run
+    assert run["frames"]["total"] == run["frames"]["ok"] >= 8, run
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -111,3 +111,37 @@ def test_compiled_fused_layer_equals_eager_on_cuda():
     for a, b in zip(*results):
         scale = a.float().abs().max().item()
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_routing_equals_eager_routing_on_cuda(padded):
+    """``--moe-compiled-routing on`` (inductor's Triton kernels for the router, top-k, slots, gates, dispatch
+    rows, losses and statistics) against the same layer routing eagerly on the device, policy ``all``
+    (inductor draws its own random numbers): the same routing (loads, drops), the output, the losses and
+    every gradient within bf16 rounding (``tests/modules/moe/test_compiled_routing.py`` checks the graph
+    and its numerics on the CPU)."""
+    import copy
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(expert_count=16, top_k=2, capacity_factor=1.0, second_expert_policy="all")
+    eager = MoELayer(cfg, FFNSpec(256, 512)).cuda().to(torch.bfloat16).train()
+    eager.experts.grouped_mm = HOPPER
+    compiled = copy.deepcopy(eager)
+    compiled.compiled_routing = True
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16)
+    padding = (torch.arange(256, device="cuda") >= 200).expand(4, 256).clone() if padded else None
+    weight = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for layer in (eager, compiled):
+        tokens = x.clone().requires_grad_()
+        out, aux = layer(tokens, padding)
+        ((out * weight).float().sum() + aux.balance_loss + aux.z_loss).backward()
+        stats = aux.stats
+        results.append([stats.dropped, stats.routed, stats.tokens, out, aux.balance_loss, aux.z_loss, stats.load_cv,
+                        tokens.grad] + [p.grad for p in layer.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        if i < 3:  # counts: the same routing
+            assert torch.equal(a, b), (i, a, b)
+            continue
+        scale = a.float().abs().max().item()
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * scale), i

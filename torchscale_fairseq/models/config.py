@@ -19,6 +19,7 @@ from torchscale_fairseq.modules.feedforward import ACTIVATIONS
 from torchscale_fairseq.modules.moe.config import (
     BALANCE_SCOPES,
     CHECKPOINT_EXCHANGES,
+    COMPILED_ROUTING,
     EXPERT_TENSOR_PARALLEL,
     ROUTERS,
     SECOND_EXPERT_POLICIES,
@@ -97,6 +98,12 @@ class TsMoEConfig(FairseqDataclass):
         default="split",
         metadata={"help": "under --model-parallel-size N: split every expert's FFN over the N tensor-parallel "
                           "ranks as the dense FFN (expert memory per rank / N) or replicate whole experts on them"},
+    )
+    moe_compiled_routing: ChoiceEnum(COMPILED_ROUTING) = field(
+        default="off",
+        metadata={"help": "outside --ts-compile (which compiles the whole layer), run each MoE layer's router, "
+                          "top-k, slots, gates, auxiliary losses and statistics as one torch.compile graph (on; "
+                          "eagerly, off, they are about a hundred small kernels each way)"},
     )
 
 

@@ -125,6 +125,7 @@ def routing_stats(probs: torch.Tensor, routing, load: torch.Tensor | None = None
         p = probs.detach().float()
         entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
         real = routing.real
-        tokens = torch.as_tensor(probs.size(0), device=probs.device) if real is None else real.sum()
+        tokens = (torch.full((), probs.size(0), dtype=torch.long, device=probs.device) if real is None
+                  else real.sum())  # a fill on the device (compiled: of a dynamic token count)
         entropy_sum = entropy.sum() if real is None else (entropy * real).sum()
     return RoutingStats(tokens, cv, routing.dropped, routing.routed, entropy_sum)

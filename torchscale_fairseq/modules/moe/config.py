@@ -12,6 +12,7 @@ SECOND_EXPERT_POLICIES = ("random", "sampling", "all", "coin")
 BALANCE_SCOPES = ("local", "global")
 CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py
 EXPERT_TENSOR_PARALLEL = ("split", "replicate")
+COMPILED_ROUTING = ("off", "on")  # --moe-compiled-routing, see MoELayer._routes_compiled
 MAX_TOP_K = 8
 
 
@@ -34,6 +35,7 @@ class MoEConfig:
     balance_scope: str = "local"
     checkpoint_exchange: str = "repeat"
     expert_tensor_parallel: str = "split"
+    compiled_routing: str = "off"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -65,6 +67,7 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         balance_scope=str(getattr(args, "moe_balance_scope", "local")),
         checkpoint_exchange=str(getattr(args, "moe_checkpoint_exchange", "repeat")),
         expert_tensor_parallel=str(getattr(args, "moe_expert_tensor_parallel", "split")),
+        compiled_routing=str(getattr(args, "moe_compiled_routing", "off")),
     )
     check_moe_config(cfg)
     return cfg
@@ -85,6 +88,7 @@ def check_moe_config(cfg: MoEConfig) -> None:
         ("--moe-balance-scope", cfg.balance_scope, BALANCE_SCOPES),
         ("--moe-checkpoint-exchange", cfg.checkpoint_exchange, CHECKPOINT_EXCHANGES),
         ("--moe-expert-tensor-parallel", cfg.expert_tensor_parallel, EXPERT_TENSOR_PARALLEL),
+        ("--moe-compiled-routing", cfg.compiled_routing, COMPILED_ROUTING),
     ):
         if value not in choices:
             raise TsConfigError(f"{flag} {value!r} is unknown: choose one of {', '.join(choices)}")

@@ -59,8 +59,9 @@ top-1, or top-k > 2), routing is that of ``C = 1`` token by token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,7 @@ from torchscale_fairseq.modules.moe.balance import (
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
+    DispatchPlan,
     Routing,
     dispatch_plan,
     expert_choice_routing,
@@ -101,6 +103,21 @@ EXPERT_CHOICE_DECODING = (
     "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
     "(incremental) decoding: generate with a token-choice router (xmoe, linear or torchscale_xmoe)"
 )
+
+
+# The backend of the compiled routing, and its cache entries: training and validation, with and without
+# padding, the fused dispatch or not, static then dynamic token counts (more than dynamo's default 8).
+ROUTING_BACKEND = "inductor"
+COMPILED_ROUTING_ENTRIES = 32
+
+
+@functools.cache
+def compiled_routing(backend: str) -> Callable:
+    """:meth:`MoELayer._routing` compiled once for all MoE layers (``self`` is an argument): the router, the
+    softmax, the top-k, the slots, the gates, the dispatch rows, the losses and the statistics as one graph
+    forward and one backward, where eagerly they are about a hundred small kernels each way."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ROUTING_ENTRIES)
+    return torch.compile(MoELayer._routing, backend=backend)
 
 
 def check_generation(models: Iterable[nn.Module]) -> None:
@@ -201,6 +218,7 @@ class MoELayer(nn.Module):
             self.expert_bias = self.expert_load = None
         self.aux_loss_scale: AuxLossScale | None = None  # set per micro-batch (aux_loss.set_aux_loss_scale)
         self.fused_dispatch = True  # False: the step-by-step reference of dispatch_combine
+        self.compiled_routing = cfg.compiled_routing == "on"  # --moe-compiled-routing
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``bfloat16()`` keep the expert bias in fp32 (Megatron-core does too)."""
@@ -244,10 +262,35 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         real = None if padding_mask is None else ~padding_mask.reshape(-1)
+        fused = self._dispatches_fused(tokens)
+        route = compiled_routing(ROUTING_BACKEND) if self._routes_compiled(incremental, memo) else MoELayer._routing
+        routing, loss, z_loss, stats, totals, micro_tokens, plan = route(self, tokens, real, incremental, memo, fused)
+        if memo is not None:
+            memo.totals, memo.tokens = totals, micro_tokens
+        scale = memo.scale if replay else self.aux_loss_scale
+        if self.expert_load is not None and self.training and not replay:
+            self.expert_load += routing.load.long()
+        aux = MoEAux(loss, z_loss, stats, scale)
+        out = self.dispatch_combine(tokens, routing, memo, plan)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
+        if scale is not None and torch.is_grad_enabled():
+            out = MoEAuxLossAutoScaler.apply(out, aux.balance_loss, aux.z_loss, scale.balance, scale.z)
+        if memo is not None:
+            memo.stats, memo.scale, memo.filled = stats, scale, True
+        return out.view(shape), aux
+
+    def _routing(self, tokens: torch.Tensor, real: torch.Tensor | None, incremental: bool,
+                 memo: RecomputeMemo | None, fused: bool) -> tuple:
+        """Router scores to the routing plan, the balance loss, the router z-loss and the routing statistics
+        (a recomputation takes the first run's totals and statistics from ``memo``), and with ``fused`` the
+        rows of the fused dispatch (:func:`~.gating.dispatch_plan`): what :func:`compiled_routing` compiles as
+        one graph. Returns ``(routing, balance_loss, z_loss, stats, totals, micro_tokens, plan)``."""
         scores = self.router(tokens)
         probs, routing = self.route(scores, incremental, real)
         num_experts = probs.size(1)
-        if replay:
+        if memo is not None and memo.filled:
             totals, micro_tokens, stats = memo.totals, memo.tokens, memo.stats
         else:  # the micro-batch's (over the context-parallel group), the global scope's over the layout's ranks
             micro = micro_batch_totals(routing.first_expert, routing.load, self.context_group, real)
@@ -260,33 +303,39 @@ class MoELayer(nn.Module):
             loss = probs.new_zeros(()) + 0.0 * probs.sum()
         else:
             loss = balance_loss(probs, routing.first_expert, totals=totals, real=real)
-        if memo is not None:
-            memo.totals, memo.tokens = totals, micro_tokens
-        scale = memo.scale if replay else self.aux_loss_scale
-        if self.expert_load is not None and self.training and not replay:
-            self.expert_load += routing.load.long()
-        aux = MoEAux(loss, router_z_loss(scores, real, micro_tokens), stats, scale)
-        out = self.dispatch_combine(tokens, routing, memo)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(tokens)
-            out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
-        if scale is not None and torch.is_grad_enabled():
-            out = MoEAuxLossAutoScaler.apply(out, aux.balance_loss, aux.z_loss, scale.balance, scale.z)
-        if memo is not None:
-            memo.stats, memo.scale, memo.filled = stats, scale, True
-        return out.view(shape), aux
+        plan = dispatch_plan(routing, num_experts) if fused else None
+        return routing, loss, router_z_loss(scores, real, micro_tokens), stats, totals, micro_tokens, plan
 
-    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None) -> torch.Tensor:
+    def _routes_compiled(self, incremental: bool, memo: RecomputeMemo | None) -> bool:
+        """Whether :meth:`_routing` runs compiled: with :attr:`compiled_routing`, outside ``--ts-compile``'s
+        graph, in a forward that reads and reduces nothing across ranks, not an activation-checkpointed
+        call, not incremental decoding; with a router and a second-expert policy that trace as one graph
+        (not TorchScale's gate, which rescales its expert embeddings in place, nor expert choice, whose
+        capacity is read on the host, nor the Gumbel draw of ``sampling``)."""
+        if not self.compiled_routing or torch.compiler.is_compiling():
+            return False
+        cfg = self.cfg
+        return (not incremental and memo is None and self.context_group is None and cfg.balance_scope == "local"
+                and cfg.router in ("xmoe", "linear") and cfg.second_expert_policy != "sampling")
+
+    def _dispatches_fused(self, tokens: torch.Tensor) -> bool:
+        """Whether :meth:`dispatch_combine` takes the fused path: :attr:`fused_dispatch`, local whole experts
+        and grouped GEMMs."""
+        return (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
+                and self.experts.runs_grouped(tokens))
+
+    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None,
+                         plan: DispatchPlan | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert (the kept assignments first, in expert
         order; then the rest, which no expert computes), run the experts, weight and add back.
         With :attr:`fused_dispatch`, local whole experts and grouped GEMMs: :func:`~.gating.dispatch_plan`'s
-        row order (no second sort) and :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1,
-        the weighted combine inside fc2); otherwise, and as their reference, the steps one by one
-        (one GEMM per expert reads the counts on the host anyway, and breaks a compiled graph there)."""
+        row order (no second sort; ``plan``, where :meth:`_routing` made it) and
+        :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1, the weighted combine inside fc2);
+        otherwise, and as their reference, the steps one by one (one GEMM per expert reads the counts on
+        the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
-        if (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
-                and self.experts.runs_grouped(tokens)):
-            plan = dispatch_plan(routing, num_experts)
+        if plan is not None or self._dispatches_fused(tokens):
+            plan = plan if plan is not None else dispatch_plan(routing, num_experts)
             self._check_replay(plan.counts, memo)
             return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
         expert = torch.where(routing.kept, routing.expert, num_experts)
