@@ -1,9 +1,9 @@
 """Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` (16 x 2048 tokens per
 update) and a 1.3B model (8 x 2048) as users train them (sequence 2048, GPT-2's 50,257-token
-vocabulary, bf16; ``ts_lm_large``'s fast path also at the earlier runs' 8), the plugin's default
-path ("baseline") and its fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
-ts_adamw --ts-sync-free-step``), tokens/s of the fast path against stock fairseq ``transformer_lm`` of the same size
-on the same data, a profile of one update of every run (``train_profile.py``: where the time
+vocabulary, bf16; ``ts_lm_large``'s fast path also at the earlier runs' 8), the plugin's fast path
+("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer ts_adamw --ts-sync-free-step``) and, for
+``ts_lm_large``, its default path ("baseline"), tokens/s of the fast path against stock fairseq
+``transformer_lm`` of the same size on the same data, a profile of one update of every run (``train_profile.py``: where the time
 goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
 width), and the 1.3B fast path with ``--fp8 tensorwise`` / ``rowwise`` (torchao's float8 training;
 ``fp8_gain_1p3b`` = its tokens/s over the bf16 fast path's; run where the GPU has FP8 and torchao

@@ -257,5 +257,6 @@ def main() -> None:
               f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {args.target}: {verdict} "
               f"(worst E={worst})", flush=True)
 
+
 if __name__ == "__main__":
     main()

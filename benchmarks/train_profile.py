@@ -19,15 +19,17 @@ by :func:`summarise` into the issue's rows:
 - ``idle``: step time not covered by any kernel (launch gaps, host work, host syncs);
 - ``host_syncs``: ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize``
   calls in the step, and where each came from (the first frame in fairseq or this plugin);
-- ``busy_ms``: the step's time covered by kernels; ``host_ms``: the step's time on the calling
-  thread outside those sync calls (the host's work for the update), and ``host_ranges_ms``, the
-  same per fairseq range (``forward``, ``backward``, ``optimizer``, ...).
+- ``busy_ms``: the step's time covered by kernels; ``host_ms``: the step's time outside those sync
+  calls (the host's work for the update; a sync of the autograd engine's thread counts as a wait too,
+  as the step's thread waits for it in ``backward``), and ``host_ranges_ms``, the same per fairseq
+  range (``forward``, ``backward``, ``optimizer``, ...).
 
 The profiled update starts on an idle device and ends with a sync, so its idle row also holds
 host work that a run without syncs overlaps with the previous update's kernels. What a run
 overlaps is read from the window: ``ms_per_update`` (window seconds / updates) and
-``between_steps_ms`` (the host's time per update outside ``train_step``: fairseq's loop, the
-data iterator, logging). A step is device-bound where ``busy_ms`` is close to ``ms_per_update``,
+``between_steps_ms`` (the host's time per update outside fairseq's ``Trainer.train_step``: fairseq's
+loop, the data iterator, logging, and what the plugin's trainer does around fairseq's step, such as
+moving the expert biases). A step is device-bound where ``busy_ms`` is close to ``ms_per_update``,
 host-bound where ``host_ms + between_steps_ms`` is.
 
 The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
@@ -119,10 +121,11 @@ def summarise(trace: dict) -> dict[str, Any]:
     busy_ms = _union_length(busy) / 1e3
     rows["idle"] = step_ms - busy_ms
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS and lo <= e["ts"] <= hi]
-    waits = [(e["ts"], e["ts"] + e["dur"]) for e in syncs if e["tid"] == step["tid"]]
+    waits = [(e["ts"], e["ts"] + e["dur"]) for e in syncs]  # also the autograd thread's, which backward waits for
 
     def host_ms(start: float, end: float) -> float:
-        """Wall time of [start, end] on the step's thread less the sync calls' waits inside it."""
+        """Wall time of [start, end] less the sync calls' waits inside it (of any thread: the step's thread
+        waits for the autograd engine's through ``backward``)."""
         waited = _union_length([(max(s, start), min(e, end)) for s, e in waits if min(e, end) > max(s, start)])
         return (end - start - waited) / 1e3
 

@@ -299,6 +299,9 @@ def validate_common(args: Any) -> None:
             f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
             f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
         )
+    if getattr(args, "ts_compile", False) and getattr(args, "moe_compiled_routing", "off") == "on":
+        logger.info("--moe-compiled-routing on adds nothing to --ts-compile, which compiles each MoE layer whole, "
+                    "its routing included")
 
 
 def convert_fp8_from_args(model: nn.Module, args: Any) -> None:

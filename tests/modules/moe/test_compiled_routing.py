@@ -12,13 +12,14 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.testing import CompileCounter
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe import layer as moe_layer
 from torchscale_fairseq.modules.moe.config import MoEConfig, moe_config_from_args
-from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo
+from torchscale_fairseq.modules.moe.layer import MoELayer, RecomputeMemo, update_expert_biases
 
 ROUTINGS = [  # (router, top-k, second-expert policy, capacity factor, gate noise, aux-loss-free bias rate)
     ("xmoe", 2, "random", 1.0, 0.0, 0.0),
@@ -29,13 +30,31 @@ ROUTINGS = [  # (router, top-k, second-expert policy, capacity factor, gate nois
 PATHS = [(torch.float32, False), (torch.bfloat16, True)]  # one GEMM per expert; grouped GEMMs (the fused dispatch)
 
 
+class CountingBackend:
+    """``aot_eager``, counting the graphs it compiles (``frames``) and the calls of them (``calls``)."""
+
+    def __init__(self) -> None:
+        self.frames = self.calls = 0
+
+    def __call__(self, graph, example_inputs):
+        self.frames += 1
+        compiled = lookup_backend("aot_eager")(graph, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return compiled(*args)
+        return run
+
+
 @pytest.fixture(autouse=True)
 def aot_eager_routing(monkeypatch):
-    """The compiled routing on ``aot_eager`` (counted), dynamo's caches fresh before and dropped after."""
-    backend = CompileCounterWithBackend("aot_eager")
+    """The compiled routing on a counted ``aot_eager``, dynamo's caches fresh before and dropped after; a
+    graph past the recompile limit fails the test instead of running eager unseen."""
+    backend = CountingBackend()
     monkeypatch.setattr(moe_layer, "ROUTING_BACKEND", backend)
     torch._dynamo.reset()
-    yield backend
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield backend
     torch._dynamo.reset()
 
 
@@ -58,7 +77,8 @@ def _batch(dtype: torch.dtype, tokens: int = 20, seed: int = 1) -> tuple[torch.T
 
 def _train(layer: MoELayer, compiled: bool, dtype: torch.dtype, steps: int = 2) -> list[torch.Tensor]:
     """Outputs, losses, statistics, loads, input and parameter gradients of ``steps`` Adam updates
-    (the same random draws for both paths), then the parameters."""
+    (the same random draws for both paths; an aux-loss-free bias moves after each), then the parameters
+    and a validation forward's output and losses."""
     layer.compiled_routing = compiled
     layer.train()
     optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
@@ -78,7 +98,12 @@ def _train(layer: MoELayer, compiled: bool, dtype: torch.dtype, steps: int = 2) 
         seen += [p.grad.clone() for p in layer.parameters()]
         if layer.expert_load is not None:
             seen.append(layer.expert_load.clone())
-    return seen + [p.detach().clone() for p in layer.parameters()]
+            update_expert_biases(layer, None)
+            seen.append(layer.expert_bias.clone())
+    layer.eval()
+    with torch.no_grad():
+        out, aux = layer(x, padding)
+    return seen + [p.detach().clone() for p in layer.parameters()] + [out, aux.balance_loss, aux.z_loss]
 
 
 @pytest.mark.parametrize("dtype,grouped", PATHS, ids=["fp32-loop", "bf16-grouped"])
@@ -87,9 +112,10 @@ def test_compiled_routing_trains_as_the_eager_routing(routing, dtype, grouped, a
     eager = _layer(*routing, dtype=dtype, grouped=grouped)
     compiled = copy.deepcopy(eager)
     expected = _train(eager, False, dtype)
-    assert aot_eager_routing.frame_count == 0
+    assert aot_eager_routing.calls == 0
     got = _train(compiled, True, dtype)
-    assert aot_eager_routing.frame_count == 1  # the routing ran compiled, as one graph
+    # the routing ran compiled at every step and in validation: a graph for training, one for validation
+    assert (aot_eager_routing.frames, aot_eager_routing.calls) == (2, 3)
     assert len(expected) == len(got)
     for i, (a, b) in enumerate(zip(expected, got)):  # to the rounding of each tensor's type (decompositions round)
         rtol, atol = (1e-2, 1e-3) if a.dtype == torch.bfloat16 else (1e-5, 1e-6)
@@ -119,6 +145,26 @@ def test_routing_is_one_graph_and_new_batches_compile_no_more():
             torch.manual_seed(length)
             assert torch.equal(layer(x, mask)[0], expected)
     assert counter.frame_count <= 4
+
+
+def test_the_moe_layers_of_a_model_share_one_graph(aot_eager_routing):
+    """Three MoE layers with their own weights and bias: one graph, called by each, each layer's output
+    that of its own eager routing (a graph specialised per layer would compile three)."""
+    layers = [_layer("xmoe", 2, "random", 1.0, 0.0, 1e-3) for _ in range(3)]
+    for seed, layer in enumerate(layers):
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+            layer.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(seed)))
+    x, padding = _batch(torch.float32)
+    for layer in layers:
+        reference = copy.deepcopy(layer)
+        layer.compiled_routing, reference.compiled_routing = True, False
+        torch.manual_seed(7)
+        expected = reference(x, padding)[0]
+        torch.manual_seed(7)
+        assert torch.allclose(layer(x, padding)[0], expected, rtol=1e-5, atol=1e-6)
+    assert (aot_eager_routing.frames, aot_eager_routing.calls) == (1, 3)
 
 
 def test_inductor_kernels_route_as_the_eager_routing():

@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
         aux = MoEAux(loss, z_loss, stats, scale)
-        out = self.dispatch_combine(tokens, routing, memo, plan)
+        out = self.dispatch_combine(tokens, routing, memo, plan, fused)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
@@ -325,16 +325,17 @@ class MoELayer(nn.Module):
                 and self.experts.runs_grouped(tokens))
 
     def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None,
-                         plan: DispatchPlan | None = None) -> torch.Tensor:
+                         plan: DispatchPlan | None = None, fused: bool | None = None) -> torch.Tensor:
         """Gather the routed tokens grouped by expert (the kept assignments first, in expert
         order; then the rest, which no expert computes), run the experts, weight and add back.
         With :attr:`fused_dispatch`, local whole experts and grouped GEMMs: :func:`~.gating.dispatch_plan`'s
-        row order (no second sort; ``plan``, where :meth:`_routing` made it) and
+        row order (no second sort; ``plan``, where :meth:`_routing` made it; ``fused``: whether this path
+        applies, where the caller knows) and
         :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1, the weighted combine inside fc2);
         otherwise, and as their reference, the steps one by one (one GEMM per expert reads the counts on
         the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
-        if plan is not None or self._dispatches_fused(tokens):
+        if plan is not None or (self._dispatches_fused(tokens) if fused is None else fused):
             plan = plan if plan is not None else dispatch_plan(routing, num_experts)
             self._check_replay(plan.counts, memo)
             return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
