@@ -231,7 +231,8 @@ def main() -> None:
             ref = f"{_ms(t_ref)} | {t_ref / (scale * best['dense']):.2f}"
         else:
             ref = "skipped | -"
-        versus = f"{median[(e, 'grouped')] / median[(e, 'loop')]:.2f}" if len(modes) == 2 else "-"
+        routed = ROUTED if mode.endswith(ROUTED) else ""  # a twin against its twin
+        versus = f"{median[(e, 'grouped' + routed)] / median[(e, 'loop' + routed)]:.2f}" if len(modes) == 2 else "-"
         print(f"| {e} | {mode} | {_ms(best[(e, mode)])} | {_ms(median[(e, mode)])} | "
               f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
               f"{versus} | {ref} | {_ms(host[(e, mode)])} | {ops[(e, mode)]} |", flush=True)
