@@ -179,7 +179,7 @@ def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
     """An MoE translation model's layers are four kinds (dense or MoE, encoder or decoder), each compiled
     for training and for validation, with static and then dynamic lengths: at least dynamo's default
     recompile limit (8) of cache entries of the one compiled function, past which a layer would run eager
-    (more before the MoE capacity of an unpadded batch stopped specialising a graph to its token count).
+    (more before the routing statistics of an unpadded batch stopped specialising a graph to its token count).
     Every frame compiles (``COMPILED_LAYER_ENTRIES``) through training and validation at three batch shapes."""
     torch.set_num_threads(1)
     d = dictionary()

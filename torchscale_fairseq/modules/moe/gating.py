@@ -107,10 +107,7 @@ def top_k_routing(
     """Token-choice routing of ``probs`` (T, E); ``bias`` (E,): added for the choice only;
     ``real`` (T,): the tokens to route (padding: none of its assignments is kept)."""
     num_tokens, num_experts = probs.shape
-    count = real_token_count(num_tokens, real)
-    if isinstance(count, int) and torch.compiler.is_compiling():  # an int would specialise the graph to this count
-        count = torch.full((), count, dtype=torch.long, device=probs.device)
-    capacity = expert_capacity(count, num_experts, top_k, capacity_factor)
+    capacity = expert_capacity(real_token_count(num_tokens, real), num_experts, top_k, capacity_factor)
     if bias is None:
         gates, experts = probs.topk(top_k, dim=-1)
     else:
