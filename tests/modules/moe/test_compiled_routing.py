@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounter
 
+from tests.modules.moe.adam_steps import adam_steps
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe import layer as moe_layer
@@ -76,34 +77,25 @@ def _batch(dtype: torch.dtype, tokens: int = 20, seed: int = 1) -> tuple[torch.T
 
 
 def _train(layer: MoELayer, compiled: bool, dtype: torch.dtype, steps: int = 2) -> list[torch.Tensor]:
-    """Outputs, losses, statistics, loads, input and parameter gradients of ``steps`` Adam updates
-    (the same random draws for both paths; an aux-loss-free bias moves after each), then the parameters
-    and a validation forward's output and losses."""
+    """What :func:`adam_steps` records of ``steps`` Adam updates, with the expert loads and an aux-loss-free
+    bias moved after each, then a validation forward's output and losses."""
     layer.compiled_routing = compiled
     layer.train()
-    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
     x, padding = _batch(dtype)
+
+    def move_bias(layer: MoELayer) -> list[torch.Tensor]:
+        if layer.expert_load is None:
+            return []
+        load = layer.expert_load.clone()
+        update_expert_biases(layer, None)
+        return [load, layer.expert_bias.clone()]
+
     weight = torch.randn(16, generator=torch.Generator().manual_seed(2)).to(dtype)
-    seen = []
-    for step in range(steps):
-        tokens = x.clone().requires_grad_()
-        torch.manual_seed(10 + step)
-        out, aux = layer(tokens, padding)
-        optimizer.zero_grad()
-        ((out * weight).float().sum() + aux.balance_loss + aux.z_loss).backward()
-        optimizer.step()
-        stats = aux.stats
-        seen += [out.detach(), aux.balance_loss.detach(), aux.z_loss.detach(), stats.tokens, stats.load_cv,
-                 stats.dropped, stats.routed, stats.entropy_sum, tokens.grad]
-        seen += [p.grad.clone() for p in layer.parameters()]
-        if layer.expert_load is not None:
-            seen.append(layer.expert_load.clone())
-            update_expert_biases(layer, None)
-            seen.append(layer.expert_bias.clone())
+    seen = adam_steps(layer, x, padding, weight, steps, move_bias)
     layer.eval()
     with torch.no_grad():
         out, aux = layer(x, padding)
-    return seen + [p.detach().clone() for p in layer.parameters()] + [out, aux.balance_loss, aux.z_loss]
+    return seen + [out, aux.balance_loss, aux.z_loss]
 
 
 @pytest.mark.parametrize("dtype,grouped", PATHS, ids=["fp32-loop", "bf16-grouped"])

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from tests.modules.moe.adam_steps import adam_steps
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.aux_loss import aux_loss_scales
 from torchscale_fairseq.modules.moe.config import MoEConfig
@@ -44,22 +45,11 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(layer: MoELayer, fused: bool, steps: int = 2) -> list[torch.Tensor]:
+    """What :func:`adam_steps` records of ``steps`` Adam updates on the fused or the reference path."""
     assert layer.experts.runs_grouped(torch.ones(1))
-    """Outputs, input and parameter gradients of ``steps`` Adam updates (the same draws for both paths)."""
     layer.fused_dispatch = fused
-    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
     x, padding = _batch()
-    weight = torch.randn(16, generator=torch.Generator().manual_seed(2))
-    seen = []
-    for step in range(steps):
-        tokens = x.clone().requires_grad_()
-        torch.manual_seed(10 + step)
-        out, aux = layer(tokens, padding)
-        optimizer.zero_grad()
-        ((out * weight).sum() + aux.balance_loss + aux.z_loss).backward()
-        optimizer.step()
-        seen += [out.detach(), tokens.grad] + [p.grad.clone() for p in layer.parameters()]
-    return seen + [p.detach().clone() for p in layer.parameters()]
+    return adam_steps(layer, x, padding, torch.randn(16, generator=torch.Generator().manual_seed(2)), steps)
 
 
 @pytest.mark.parametrize("routing", ROUTINGS, ids=[r[0] + f"-top{r[1]}" for r in ROUTINGS])

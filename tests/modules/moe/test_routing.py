@@ -238,7 +238,7 @@ def test_index_dispatch_equals_one_hot_einsum():
     expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
     expert_out = layer.experts(expert_in.reshape(-1, 8), [cap] * 4).view(4, cap, 8)
     ref = torch.einsum("tec,ecd->td", combine, expert_out)
-    assert torch.allclose(layer.dispatch_combine(tokens, plan), ref, atol=1e-5)
+    assert torch.allclose(layer._combine_stepwise(tokens, plan, None), ref, atol=1e-5)
 
 
 def test_expert_choice_refuses_incremental_decoding():

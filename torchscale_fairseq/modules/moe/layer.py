@@ -217,7 +217,7 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = self.expert_load = None
         self.aux_loss_scale: AuxLossScale | None = None  # set per micro-batch (aux_loss.set_aux_loss_scale)
-        self.fused_dispatch = True  # False: the step-by-step reference of dispatch_combine
+        self.fused_dispatch = True  # False: _combine_stepwise, the fused path's reference
         self.compiled_routing = cfg.compiled_routing == "on"  # --moe-compiled-routing
 
     def _apply(self, fn, recurse: bool = True):
@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
         aux = MoEAux(loss, z_loss, stats, scale)
-        out = self.dispatch_combine(tokens, routing, memo, plan, fused)
+        out = self._combine_planned(tokens, plan, memo) if fused else self._combine_stepwise(tokens, routing, memo)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
@@ -319,26 +319,22 @@ class MoELayer(nn.Module):
                 and cfg.router in ("xmoe", "linear") and cfg.second_expert_policy != "sampling")
 
     def _dispatches_fused(self, tokens: torch.Tensor) -> bool:
-        """Whether :meth:`dispatch_combine` takes the fused path: :attr:`fused_dispatch`, local whole experts
-        and grouped GEMMs."""
+        """Whether the routed tokens take the fused path (:meth:`_combine_planned`): :attr:`fused_dispatch`,
+        local whole experts and grouped GEMMs; else :meth:`_combine_stepwise`."""
         return (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
                 and self.experts.runs_grouped(tokens))
 
-    def dispatch_combine(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None = None,
-                         plan: DispatchPlan | None = None, fused: bool | None = None) -> torch.Tensor:
-        """Gather the routed tokens grouped by expert (the kept assignments first, in expert
-        order; then the rest, which no expert computes), run the experts, weight and add back.
-        With :attr:`fused_dispatch`, local whole experts and grouped GEMMs: :func:`~.gating.dispatch_plan`'s
-        row order (no second sort; ``plan``, where :meth:`_routing` made it; ``fused``: whether this path
-        applies, where the caller knows) and
-        :meth:`~.experts.GroupedExperts.combine` (the gather inside fc1, the weighted combine inside fc2);
-        otherwise, and as their reference, the steps one by one (one GEMM per expert reads the counts on
-        the host anyway, and breaks a compiled graph there)."""
+    def _combine_planned(self, tokens: torch.Tensor, plan: DispatchPlan, memo: RecomputeMemo | None) -> torch.Tensor:
+        """The fused path (:attr:`fused_dispatch`, local whole experts, grouped GEMMs): ``plan``'s row order
+        (:func:`~.gating.dispatch_plan`: no second sort) and :meth:`~.experts.GroupedExperts.combine` (the
+        gather inside fc1, the weighted combine inside fc2)."""
+        self._check_replay(plan.counts, memo)
+        return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
+
+    def _combine_stepwise(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None) -> torch.Tensor:
+        """The steps one by one, the fused path's reference and the path of every other layout (one GEMM per
+        expert reads the counts on the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
-        if plan is not None or (self._dispatches_fused(tokens) if fused is None else fused):
-            plan = plan if plan is not None else dispatch_plan(routing, num_experts)
-            self._check_replay(plan.counts, memo)
-            return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
         expert = torch.where(routing.kept, routing.expert, num_experts)
         order = torch.sort(expert, stable=True).indices
         token = routing.token[order]
