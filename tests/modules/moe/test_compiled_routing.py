@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounter
 
-from tests.modules.moe.adam_steps import adam_steps
+from tests.helpers.moe_adam_steps import adam_steps
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe import layer as moe_layer

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from tests.modules.moe.adam_steps import adam_steps
+from tests.helpers.moe_adam_steps import adam_steps
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.aux_loss import aux_loss_scales
 from torchscale_fairseq.modules.moe.config import MoEConfig
