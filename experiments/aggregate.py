@@ -13,6 +13,11 @@ diverged (summarize.py's definitions).
 layers) at the final validation and in the last training interval, and the dropped fraction of
 assignments (``moe_drop``) in the last training interval and averaged over the training intervals
 (validation never drops: ``--moe-eval-capacity-factor 0``).
+``--runs-jsonl FILE`` writes the data behind the table and the prose that quotes single runs: one
+JSON line per run (name, configuration, seed, every number of the table's columns, the validation
+perplexity at every validation and the logged training record of every interval: update, loss,
+gradient norm and its dense / expert parts, clipping, learning rate; with a ``generate_test.txt``,
+how many detokenised test outputs there are, how many differ and the three commonest).
 ``--plot`` draws, per group, the mean over the seeds that logged each point, with a min-max band,
 of ``--metric``: ``valid_ppl``, ``train_loss``, ``gnorm``, ``routing_entropy`` (``moe_entropy``),
 ``clipping`` (cumulative clipped updates), ``moe_cv`` / ``valid_moe_cv`` (load CV, mean over the
@@ -22,10 +27,12 @@ MoE layers, training / validation) or any other key of the training records.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,6 +127,32 @@ def table(groups: dict[str, list[Path]], moe: bool = False) -> list[str]:
     return lines
 
 
+TRAIN_KEYS = ("loss", "gnorm", "gnorm_dense", "gnorm_expert", "clip", "lr")  # per interval, in --runs-jsonl
+
+
+def run_record(run_dir: Path) -> dict:
+    """One run as a line of ``--runs-jsonl``: :func:`summarize.metrics`, each validation's
+    perplexity and each logged interval's :data:`TRAIN_KEYS`, keyed by update."""
+    log = plot_logs.parse_log(run_dir / "train.log")
+    match = SEED_SUFFIX.match(run_dir.name)
+    updates, ppl = plot_logs.valid_ppl(log)
+    train = []
+    for record in plot_logs.training_records(log):
+        update = _num(record.get("num_updates"))
+        if update is not None:
+            train.append({"update": int(update), **{k: _num(record[k]) for k in TRAIN_KEYS if k in record}})
+    record = {"run": run_dir.name, "config": match["config"] if match else run_dir.name,
+              "seed": int(match["seed"]) if match else None, **metrics(run_dir),
+              "valid": [{"update": int(u), "ppl": p} for u, p in zip(updates, ppl)], "train": train}
+    generated = run_dir / "generate_test.txt"
+    if generated.is_file():  # the detokenised test outputs (D- lines): how many, how many differ, the commonest
+        outputs = Counter(line.split("\t")[-1] for line in generated.read_text(errors="replace").splitlines()
+                          if line.startswith("D-"))
+        record["test_outputs"] = {"count": outputs.total(), "distinct": len(outputs),
+                                  "commonest": outputs.most_common(3)}
+    return record
+
+
 def curve(run: plot_logs.RunLog, metric: str) -> tuple[list[float], list[float]]:
     """(updates, values) of ``metric`` in one run."""
     if metric == "valid_ppl":
@@ -169,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--moe", action="store_true", help="add the MoE columns: load CV (validation, "
                         "training) and dropped fraction")
     parser.add_argument("--title", help="plot title (default: the metric)")
+    parser.add_argument("--runs-jsonl", type=Path, help="write one JSON line per run: the table's numbers, every "
+                        "validation's perplexity and every logged interval (the data behind the table)")
     args = parser.parse_args(argv)
     runs = [d for d in args.runs if (d / "train.log").is_file()]
     for d in sorted(set(args.runs) - set(runs)):
@@ -177,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("error: no run directory with a train.log given")
     groups = group_runs(runs)
     print("\n".join(table(groups, args.moe)))
+    if args.runs_jsonl:
+        args.runs_jsonl.parent.mkdir(parents=True, exist_ok=True)
+        args.runs_jsonl.write_text("".join(json.dumps(run_record(d)) + "\n" for d in runs))
     if args.plot and not plot(groups, args.metric, args.plot, args.title):
         sys.exit(f"error: no run logged {args.metric!r}; nothing drawn")
 

@@ -55,7 +55,7 @@ depth() {
 depth_plots() {  # the 3-seed table and the mean curves (min-max band) of docs/results.md section 1
   local out="$RESULTS/depth" metric layers backbone
   mkdir -p "$out"
-  python experiments/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]*/ | tee "$out/table.md"
+  python experiments/aggregate.py "$RUNS"/depth_*_L{2,6,18,50}_s[0-9]*/ --runs-jsonl "$out/runs.jsonl" | tee "$out/table.md"
   for metric in valid_ppl train_loss gnorm; do
     for layers in 2 6 18 50; do  # the three backbones at one depth
       python experiments/aggregate.py "$RUNS"/depth_*_L"$layers"_s[0-9]*/ --plot "$out/${metric}_L$layers.png" \
@@ -182,7 +182,7 @@ deeper() {
 deeper_plots() {  # the 3-seed table and the validation / training curves of docs/results.md section 9
   local out="$RESULTS/deeper" metric
   mkdir -p "$out"
-  python experiments/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ | tee "$out/table.md"
+  python experiments/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ --runs-jsonl "$out/runs.jsonl" | tee "$out/table.md"
   for metric in valid_ppl train_loss; do
     python experiments/aggregate.py "$RUNS"/deeper_magneto_L*_s[0-9]*/ --plot "$out/$metric.png" \
       --metric "$metric" --title "Magneto d=128, 6 vs 18 layers, $metric (3 seeds)" >/dev/null
@@ -497,11 +497,11 @@ routing() {
 }
 
 # Mean curves with a min-max band over the seeds (experiments/aggregate.py), and the tables of
-# docs/results.md sections 2-3.
+# docs/results.md sections 2-3, with the runs behind them (runs.jsonl: aggregate.py --runs-jsonl).
 agg_plots() {  # OUT_DIR RUN_DIR... : one PNG per metric of $AGG_METRICS
   local out="$1" m
   shift
-  python experiments/aggregate.py "$@"
+  python experiments/aggregate.py "$@" --runs-jsonl "$out/runs.jsonl"
   for m in $AGG_METRICS; do python experiments/aggregate.py "$@" --plot "$out/$m.png" --metric "$m" >/dev/null; done
 }
 width_plots() {
@@ -511,7 +511,7 @@ width_plots() {
 routing_plots() {  # table.md with the MoE columns (load CV, dropped fraction) and the curves
   local out="$RESULTS/routing" m
   mkdir -p "$out"
-  python experiments/aggregate.py --moe "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ | tee "$out/table.md"
+  python experiments/aggregate.py --moe --runs-jsonl "$out/runs.jsonl" "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ | tee "$out/table.md"
   for m in valid_ppl moe_gate_loss moe_cv routing_entropy; do
     python experiments/aggregate.py "$RUNS"/routing_{xmoe,zloss,auxfree,fine}_s*/ --plot "$out/$m.png" \
       --metric "$m" --title "routing options, $m, 3 seeds (mean, min-max band)" >/dev/null

@@ -82,3 +82,35 @@ def test_distinct_hypotheses_column(tmp_path: Path) -> None:
     row = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
     mean, std = statistics.fmean([0.5, 1.0]), statistics.stdev([0.5, 1.0])
     assert row["distinct hypotheses"] == f"{mean:.3f} ± {std:.3f} (0.500-1.000)"
+
+
+def test_runs_jsonl_holds_every_validation_and_interval(tmp_path: Path) -> None:
+    """--runs-jsonl: one line per run with the logged validations and intervals as written, and the table's numbers."""
+    runs = [_run(tmp_path, f"deep_s{seed}", [400.0 + seed, 100.0 + seed], [9.0, 8.5, 8.0 + seed / 10])
+            for seed in (1, 2)]
+    extra = runs[1] / "train.log"
+    extra.write_text(extra.read_text() + "2026-11-23 | INFO | train_inner | " + json.dumps(
+        {"loss": "7.9", "num_updates": "40", "gnorm": "0.5", "gnorm_dense": "0.4", "gnorm_expert": "0.3", "clip": "100",
+         "lr": "0.001", "wps": "123"}) + "\n")
+    out = tmp_path / "out" / "runs.jsonl"
+    aggregate.main([*map(str, runs), "--runs-jsonl", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["run"], r["config"], r["seed"]) for r in lines] == [("deep_s1", "deep", 1), ("deep_s2", "deep", 2)]
+    assert lines[0]["valid"] == [{"update": 20, "ppl": 401.0}, {"update": 40, "ppl": 101.0}]
+    assert lines[0]["train"] == [{"update": 10, "loss": 9.0}, {"update": 20, "loss": 8.5}, {"update": 30, "loss": 8.1}]
+    assert lines[1]["train"][-1] == {"update": 40, "loss": 7.9, "gnorm": 0.5, "gnorm_dense": 0.4, "gnorm_expert": 0.3,
+                                     "clip": 100.0, "lr": 0.001}  # the listed keys only (no wps)
+    assert lines[1]["ppl_final"] == 102.0 and lines[1]["loss_final"] == 7.9 and lines[1]["gnorm_max"] == 0.5
+    assert "test_outputs" not in lines[0]
+
+
+def test_runs_jsonl_counts_the_test_outputs(tmp_path: Path) -> None:
+    """With generate_test.txt: the detokenised outputs (D- lines) counted, distinct, and the commonest three."""
+    run = _run(tmp_path, "nmt_s1", [100.0], [8.0])
+    (run / "generate_test.txt").write_text("".join(
+        f"S-{i}\tsrc\nH-{i}\t-1.0\t▁x\nD-{i}\t-1.0\t{text}\n"
+        for i, text in enumerate(["Y dijo:", "Y dijo:", "El rey.", "Y dijo:", "de , ,", "El rey."])))
+    out = tmp_path / "runs.jsonl"
+    aggregate.main([str(run), "--runs-jsonl", str(out)])
+    outputs = json.loads(out.read_text())["test_outputs"]
+    assert outputs == {"count": 6, "distinct": 3, "commonest": [["Y dijo:", 3], ["El rey.", 2], ["de , ,", 1]]}
