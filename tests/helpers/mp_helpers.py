@@ -68,8 +68,11 @@ def run_worker_ranks(worker: Path, world: int, out: Path, *extra: str, timeout: 
 def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path,
                   unrounded: bool = False) -> tuple[list[subprocess.Popen], list[Path]]:
     """Start ``world`` processes of the fairseq console tool ``tool`` (one rendezvous);
-    return them and their logs."""
+    return them and their logs. A training without ``--save-dir`` saves under ``out`` (fairseq
+    creates the save directory even with ``--no-save``; the default ``./checkpoints`` is the repository's)."""
     init_method = rendezvous_url(out)
+    if tool == "fairseq-train" and "--save-dir" not in args:
+        args = [*args, "--save-dir", str(out / "checkpoints")]
     procs, logs = [], []
     for rank in range(world):
         log = out / f"{tool}.{rank}.log"

@@ -82,7 +82,7 @@ def test_context_parallel_equals_single_process(runs, run, reference):
 def test_flag_without_processes_is_one_line(runs, tmp_path):
     log = tmp_path / "train.log"
     code = launch([str(BIN / "fairseq-train"), *lm_args(runs["lm_bin"], "--context-parallel-size", "2"),
-                   "--user-dir", str(USER_DIR), "--cpu"], log).wait(timeout=300)
+                   "--save-dir", str(tmp_path / "checkpoints"), "--user-dir", str(USER_DIR), "--cpu"], log).wait(timeout=300)
     assert code != 0
     assert "--context-parallel-size 2 needs a multi-process run of a multiple of 2 ranks (this one has 1)" in log.read_text()
 

@@ -228,7 +228,8 @@ def test_tp_pp_ep_training_needs_no_module_global(tmp_path):
     world, init_method = 8, rendezvous_url(tmp_path / "cleared")
     logs = [tmp_path / "cleared" / f"rank{r}.log" for r in range(world)]
     procs = [launch([sys.executable, str(CLEARED_CLI), "fairseq-train", str(lm_bin), *TRAIN, *TP2_PP2_DP2,
-                     "--user-dir", str(USER_DIR), "--cpu", *dist_flags(world, r, init_method)], logs[r])
+                     "--save-dir", str(tmp_path / "cleared" / "checkpoints"), "--user-dir", str(USER_DIR), "--cpu",
+                     *dist_flags(world, r, init_method)], logs[r])
              for r in range(world)]
     wait_all([*procs, *one_procs], [*logs, *one_logs], timeout=900)
     assert all(CLEARED in log.read_text() for log in logs)

@@ -12,9 +12,9 @@ import json
 import sys
 
 import torch
-from fairseq.logging import meters
 from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_cli.train import cli_main
+from unrounded_cli import unround_meters
 
 import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
 from torchscale_fairseq.integration.trainer import TsTrainer
@@ -85,6 +85,6 @@ TsTrainer.train_step = trainer_train_step
 TsTrainer._run_schedule = run_schedule
 
 if __name__ == "__main__":
-    meters.safe_round = lambda number, ndigits: number.item() if hasattr(number, "item") else number
+    unround_meters()
     sys.argv[0] = "fairseq-train"
     cli_main()

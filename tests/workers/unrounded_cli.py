@@ -12,9 +12,14 @@ from fairseq.logging import meters
 TOOLS = {"fairseq-train": "fairseq_cli.train", "fairseq-generate": "fairseq_cli.generate"}
 
 
+def unround_meters() -> None:
+    """Logged meters keep every digit (fairseq's ``safe_round`` rounds them to 3 decimals)."""
+    meters.safe_round = lambda number, ndigits: number.item() if hasattr(number, "item") else number
+
+
 def main() -> None:
     tool = sys.argv[1]
-    meters.safe_round = lambda number, ndigits: number.item() if hasattr(number, "item") else number
+    unround_meters()
     sys.argv = [tool, *sys.argv[2:]]
     importlib.import_module(TOOLS[tool]).cli_main()
 

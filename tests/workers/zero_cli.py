@@ -11,9 +11,9 @@ import sys
 import time
 
 import torch
-from fairseq.logging import meters
 from fairseq_cli.train import cli_main
 from torch.distributed.tensor import DTensor
+from unrounded_cli import unround_meters
 
 import torchscale_fairseq  # noqa: F401  (installs the plugin before fairseq runs)
 from torchscale_fairseq.integration.trainer import TsTrainer
@@ -39,7 +39,7 @@ def train_step(self, samples, raise_oom=False):
 
 
 TsTrainer.train_step = train_step
-meters.safe_round = lambda number, ndigits: number.item() if hasattr(number, "item") else number
+unround_meters()
 
 if __name__ == "__main__":
     sys.argv[0] = "fairseq-train"
