@@ -89,7 +89,8 @@ def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int
                  timeout: int) -> dict | None:
     out = log_dir / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).with_name("train_profile.py")), "--time", f"{window[0]}:{window[1]}",
-           "--profile", str(profile), "--tokens", str(tokens), "--out", str(out), "--", *args]
+           "--profile", str(profile), "--tokens", str(tokens), "--out", str(out), "--", *args,
+           "--save-dir", str(log_dir / "checkpoints")]  # fairseq creates it even under --no-save
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -114,7 +114,8 @@ def train_cmd(data: Path, args) -> list:
         *device_flags(args.device), *PRECISION_FLAGS[args.precision], "--optimizer", "adam", "--lr", "5e-4",
         "--batch-size", str(args.batch_size),
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval", "1",
-        "--disable-validation", "--no-save", "--seed", "1", *args.extra.split(),
+        "--disable-validation", "--no-save", "--save-dir", str(data.parent / "checkpoints"), "--seed", "1",
+        *args.extra.split(),
     ]
 
 

@@ -82,7 +82,8 @@ def train_cmd(data: Path, model_args, args) -> list:
         *device_flags(args.device), *PRECISION_FLAGS[args.precision], "--optimizer", "adam", "--lr", "5e-4",
         "--batch-size", str(args.batch_size),
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval", str(args.log_interval),
-        "--disable-validation", "--no-save", "--seed", str(args.seed), *args.extra.split(),
+        "--disable-validation", "--no-save", "--save-dir", str(data.parent / "checkpoints"), "--seed", str(args.seed),
+        *args.extra.split(),
     ]
 
 

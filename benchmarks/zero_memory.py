@@ -87,7 +87,8 @@ def _measure(data: Path, work: Path, mode: str, dp: int, dims: str) -> list[dict
             "--task", "language_modeling", "--arch", "ts_lm", *decoder_dim_flags(dims),
             "--share-decoder-input-output-embed", "--tokens-per-sample", "64", "--sample-break-mode", "none",
             "--batch-size", "2", "--optimizer", "adam", "--lr", "1e-4", "--max-update", "1", "--cpu",
-            "--no-save", "--disable-validation", "--num-workers", "0", "--seed", "1", *MODES[mode]]
+            "--no-save", "--save-dir", str(out / "checkpoints"), "--disable-validation", "--num-workers", "0",
+            "--seed", "1", *MODES[mode]]
     cmds = [[*base, "--distributed-world-size", str(dp), "--distributed-rank", str(r), "--distributed-init-method",
              init, "--distributed-no-spawn", "--distributed-backend", "gloo"] for r in range(dp)]
     outputs = run_together(cmds, [out / f"{r}.log" for r in range(dp)], env={"OMP_NUM_THREADS": "1"})

@@ -14,10 +14,9 @@ layers) at the final validation and in the last training interval, and the dropp
 assignments (``moe_drop``) in the last training interval and averaged over the training intervals
 (validation never drops: ``--moe-eval-capacity-factor 0``).
 ``--runs-jsonl FILE`` writes the data behind the table and the prose that quotes single runs: one
-JSON line per run (name, configuration, seed, every number of the table's columns, the validation
-perplexity at every validation and the logged training record of every interval: update, loss,
-gradient norm and its dense / expert parts, clipping, learning rate; with a ``generate_test.txt``,
-how many detokenised test outputs there are, how many differ and the three commonest).
+JSON line per run (:func:`run_record`: the table's numbers, with ``--moe`` the MoE ones, every
+validation's perplexity, every logged interval's loss, gradient norm and its dense / expert parts,
+clipping and learning rate, and the test outputs' counts).
 ``--plot`` draws, per group, the mean over the seeds that logged each point, with a min-max band,
 of ``--metric``: ``valid_ppl``, ``train_loss``, ``gnorm``, ``routing_entropy`` (``moe_entropy``),
 ``clipping`` (cumulative clipped updates), ``moe_cv`` / ``valid_moe_cv`` (load CV, mean over the
@@ -130,22 +129,28 @@ def table(groups: dict[str, list[Path]], moe: bool = False) -> list[str]:
 TRAIN_KEYS = ("loss", "gnorm", "gnorm_dense", "gnorm_expert", "clip", "lr")  # per interval, in --runs-jsonl
 
 
-def run_record(run_dir: Path) -> dict:
-    """One run as a line of ``--runs-jsonl``: :func:`summarize.metrics`, each validation's
-    perplexity and each logged interval's :data:`TRAIN_KEYS`, keyed by update."""
+def run_record(run_dir: Path, moe: bool = False) -> dict:
+    """One run as a line of ``--runs-jsonl``: its name, configuration and seed (``None`` without an
+    ``_s<seed>`` suffix), :func:`summarize.metrics` (with ``moe``, :func:`moe_metrics` too), each
+    validation's perplexity and each logged interval's :data:`TRAIN_KEYS` by update, and with a
+    ``generate_test.txt`` its detokenised outputs (``D-`` lines): how many, how many distinct (a count;
+    the table's ``distinct`` is the fraction over ``H-`` lines) and the three commonest. A non-finite
+    number is ``null`` (``nonfinite`` says the run had one), so every line is strict JSON."""
     log = plot_logs.parse_log(run_dir / "train.log")
     match = SEED_SUFFIX.match(run_dir.name)
     updates, ppl = plot_logs.valid_ppl(log)
     train = []
-    for record in plot_logs.training_records(log):
-        update = _num(record.get("num_updates"))
+    for logged in plot_logs.training_records(log):
+        update = _num(logged.get("num_updates"))
         if update is not None:
-            train.append({"update": int(update), **{k: _num(record[k]) for k in TRAIN_KEYS if k in record}})
+            train.append({"update": int(update), **{k: _num(logged[k]) for k in TRAIN_KEYS if k in logged}})
+    numbers = {**metrics(run_dir), **(moe_metrics(run_dir) if moe else {})}
     record = {"run": run_dir.name, "config": match["config"] if match else run_dir.name,
-              "seed": int(match["seed"]) if match else None, **metrics(run_dir),
+              "seed": int(match["seed"]) if match else None,
+              **{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in numbers.items()},
               "valid": [{"update": int(u), "ppl": p} for u, p in zip(updates, ppl)], "train": train}
     generated = run_dir / "generate_test.txt"
-    if generated.is_file():  # the detokenised test outputs (D- lines): how many, how many differ, the commonest
+    if generated.is_file():
         outputs = Counter(line.split("\t")[-1] for line in generated.read_text(errors="replace").splitlines()
                           if line.startswith("D-"))
         record["test_outputs"] = {"count": outputs.total(), "distinct": len(outputs),
@@ -214,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n".join(table(groups, args.moe)))
     if args.runs_jsonl:
         args.runs_jsonl.parent.mkdir(parents=True, exist_ok=True)
-        args.runs_jsonl.write_text("".join(json.dumps(run_record(d)) + "\n" for d in runs))
+        args.runs_jsonl.write_text("".join(json.dumps(run_record(d, args.moe), allow_nan=False) + "\n" for d in runs))
     if args.plot and not plot(groups, args.metric, args.plot, args.title):
         sys.exit(f"error: no run logged {args.metric!r}; nothing drawn")
 

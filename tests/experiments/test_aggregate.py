@@ -114,3 +114,26 @@ def test_runs_jsonl_counts_the_test_outputs(tmp_path: Path) -> None:
     aggregate.main([str(run), "--runs-jsonl", str(out)])
     outputs = json.loads(out.read_text())["test_outputs"]
     assert outputs == {"count": 6, "distinct": 3, "commonest": [["Y dijo:", 3], ["El rey.", 2], ["de , ,", 1]]}
+
+
+def test_runs_jsonl_is_strict_json_with_the_moe_columns(tmp_path: Path) -> None:
+    """A non-finite loss is null (the run flagged nonfinite), a name without a seed has seed null, and
+    --moe adds the load CV and dropped fraction: the mean over the layers of the last records."""
+    run = tmp_path / "blowup"
+    run.mkdir()
+    records = [{"loss": "9.0", "num_updates": "1", "moe_cv_dec1": "0.2", "moe_cv_dec3": "0.4", "moe_drop": "0.1"},
+               {"loss": "inf", "num_updates": "2", "moe_cv_dec1": "0.3", "moe_cv_dec3": "0.5", "moe_drop": "0.3"}]
+    valid = {"valid_ppl": "500", "valid_num_updates": "2", "valid_moe_cv_dec1": "0.1", "valid_moe_cv_dec3": "0.3"}
+    (run / "train.log").write_text("".join(f"x | INFO | train_inner | {json.dumps(r)}\n" for r in records)
+                                   + f"x | INFO | valid | {json.dumps(valid)}\n")
+    out = tmp_path / "runs.jsonl"
+    aggregate.main([str(run), "--moe", "--runs-jsonl", str(out)])
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in runs.jsonl")
+
+    line = json.loads(out.read_text(), parse_constant=refuse)
+    assert line["seed"] is None and line["config"] == "blowup" and line["nonfinite"] is True
+    assert line["loss_final"] is None and line["train"][1] == {"update": 2, "loss": None}
+    assert line["cv_valid"] == pytest.approx(0.2) and line["cv_train"] == pytest.approx(0.4)
+    assert line["drop_train"] == pytest.approx(0.3) and line["drop_mean"] == pytest.approx(0.2)
