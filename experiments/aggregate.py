@@ -133,9 +133,10 @@ def run_record(run_dir: Path, moe: bool = False) -> dict:
     """One run as a line of ``--runs-jsonl``: its name, configuration and seed (``None`` without an
     ``_s<seed>`` suffix), :func:`summarize.metrics` (with ``moe``, :func:`moe_metrics` too), each
     validation's perplexity and each logged interval's :data:`TRAIN_KEYS` by update, and with a
-    ``generate_test.txt`` its detokenised outputs (``D-`` lines): how many, how many distinct (a count;
-    the table's ``distinct`` is the fraction over ``H-`` lines) and the three commonest. A non-finite
-    number is ``null`` (``nonfinite`` says the run had one), so every line is strict JSON."""
+    ``generate_test.txt`` its outputs as ``fairseq-generate`` wrote them (``D-`` lines): how many, how
+    many distinct (a count; the table's ``distinct`` is the fraction over ``H-`` lines) and the three
+    commonest. A non-finite number is ``null`` (``nonfinite`` says the run had one), so every line is
+    strict JSON."""
     log = plot_logs.parse_log(run_dir / "train.log")
     match = SEED_SUFFIX.match(run_dir.name)
     updates, ppl = plot_logs.valid_ppl(log)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny-scale comparisons of docs/results.md, as run for it (2 CPU cores shared with other jobs).
-#   bash experiments/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtlong BACKBONE|source_use|source_use_timing|nmtwarm|routing|plots   (or all; WORK=/tmp/results-work)
+#   bash experiments/run.sh prep|depth|stability|deeper|width|clip|clipscale|clipedge|nmt|nmtdeep|nmtdeep_control|nmtlong BACKBONE|source_use|source_use_timing|nmtwarm|routing|plots   (or all; WORK=/tmp/results-work)
 # Every stage runs its trainings JOBS at a time (default 2, OMP_NUM_THREADS=1 each; JOBS=1: one after
 # the other); every run is a scripts/{lm,nmt}/*.sh recipe at SCALE=tiny with environment overrides,
 # so each line below is one reproducible command.
@@ -340,6 +340,19 @@ nmtdeep() {
   wait
   nmtdeep_plots
 }
+# The Post-LN 6-6 control of section 12 (the 18-18 runs' settings at 6 layers, seeds 1-3): its table and runs.
+nmtdeep_control() {
+  local s
+  for s in "${SEEDS[@]}"; do sched nmtdeep_run postln "$s" 6; done
+  wait
+  nmtdeep_control_table
+}
+nmtdeep_control_table() {
+  local out="$RESULTS/nmtdeep/control_L6"
+  mkdir -p "$out"
+  python experiments/aggregate.py "$RUNS"/nmtdeep_postln_L6_lr"${NMTDEEP_LR}"_u"$NMTDEEP_UPDATES"_s[0-9]*/ \
+    --runs-jsonl "$out/runs.jsonl" | tee "$out/table.md"
+}
 # The same runs at the longest budget a 45-minute stage holds for one backbone's three seeds (two rounds of
 # ~20 min on two idle cores): 1,500 updates (2.7 epochs), validation every 300 updates (600 is the short
 # runs' end: the same seed's first 600 updates are the same run). One stage per backbone:
@@ -534,6 +547,7 @@ plots() {
   clipedge_plots
   nmtdeep_plots
   NMTDEEP_UPDATES=1500 nmtdeep_plots
+  nmtdeep_control_table
   routing_plots
   local metric
   for metric in valid_ppl routing_entropy; do
@@ -561,6 +575,8 @@ case "${1:-all}" in
   nmt) nmt ;;
   nmt_run) nmt_run "$2" "$3" ;;
   nmtdeep) nmtdeep ;;
+  nmtdeep_control) nmtdeep_control ;;
+  nmtdeep_control_table) nmtdeep_control_table ;;
   nmtdeep_run) nmtdeep_run "$2" "$3" "${4:-}" "${5:-}" ;;
   nmtlong) nmtlong "${2:-}" ;;
   nmtdeep_plots) nmtdeep_plots ;;
@@ -582,6 +598,6 @@ case "${1:-all}" in
   clipedge_plots) clipedge_plots ;;
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
-  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; nmtwarm; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtlong BACKBONE|nmtdeep_plots|nmtwarm|nmtwarm_run BACKBONE SEED|nmtwarm_measure RUN_NAME|nmtwarm_report|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtdeep_control; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; nmtwarm; routing; plots ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtdeep_control|nmtdeep_control_table|nmtlong BACKBONE|nmtdeep_plots|nmtwarm|nmtwarm_run BACKBONE SEED|nmtwarm_measure RUN_NAME|nmtwarm_report|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

@@ -105,7 +105,7 @@ def test_runs_jsonl_holds_every_validation_and_interval(tmp_path: Path) -> None:
 
 
 def test_runs_jsonl_counts_the_test_outputs(tmp_path: Path) -> None:
-    """With generate_test.txt: the detokenised outputs (D- lines) counted, distinct, and the commonest three."""
+    """With generate_test.txt: the outputs as fairseq-generate wrote them (D- lines) counted, distinct, the commonest three."""
     run = _run(tmp_path, "nmt_s1", [100.0], [8.0])
     (run / "generate_test.txt").write_text("".join(
         f"S-{i}\tsrc\nH-{i}\t-1.0\t▁x\nD-{i}\t-1.0\t{text}\n"
