@@ -71,7 +71,7 @@ def fairseq_ranks(tool: str, args: Sequence[str], world: int, out: Path,
     return them and their logs. A training without ``--save-dir`` saves under ``out`` (fairseq
     creates the save directory even with ``--no-save``; the default ``./checkpoints`` is the repository's)."""
     init_method = rendezvous_url(out)
-    if tool == "fairseq-train" and "--save-dir" not in args:
+    if tool == "fairseq-train" and not any(a == "--save-dir" or str(a).startswith("--save-dir=") for a in args):
         args = [*args, "--save-dir", str(out / "checkpoints")]
     procs, logs = [], []
     for rank in range(world):
