@@ -1,7 +1,7 @@
 """Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` (16 x 2048 tokens per
 update) and a 1.3B model (8 x 2048) as users train them (sequence 2048, GPT-2's 50,257-token
-vocabulary, bf16; ``ts_lm_large``'s fast path also at the earlier runs' 8), the plugin's fast path
-("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer ts_adamw --ts-sync-free-step``) and, for
+vocabulary, bf16), the plugin's fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
+ts_adamw --ts-sync-free-step``), the fast path with ``--ts-cuda-graphs`` (metrics ``*_cuda_graphs``) and, for
 ``ts_lm_large``, its default path ("baseline"), tokens/s of the fast path against stock fairseq
 ``transformer_lm`` of the same size on the same data, a profile of one update of every run (``train_profile.py``: where the time
 goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
@@ -47,11 +47,12 @@ from mfu import flops_per_token, gemm_flops_per_s
 
 GPT2_VOCAB = 50257
 SEQ = 2048
-CONFIGS = {  # name: (layers width heads FFN, sequences per update, the earlier runs' sequences per update)
-    "ts_lm_large": ("12 1024 16 4096", 16, 8),
-    "1p3b": ("24 2048 16 8192", 8, 4),
+CONFIGS = {  # name: (layers width heads FFN, sequences per update)
+    "ts_lm_large": ("12 1024 16 4096", 16),
+    "1p3b": ("24 2048 16 8192", 8),
 }
 FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw", "--ts-sync-free-step"]
+GRAPHS = "_cuda_graphs"  # the fast path with --ts-cuda-graphs: run name and metric suffix
 TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
            "fp8_gain_1p3b": 1.2}
 FP8_RUNS = {"1p3b_fp8": "tensorwise", "1p3b_fp8rw": "rowwise"}  # run name: --fp8 recipe, beside 1p3b_fast
@@ -154,8 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="binarised LM data; made there (synthetic text, GPT-2-sized dictionary) if missing")
     p.add_argument("--only", nargs="+", help="run names to run (large_fast stock 1p3b_fast 1p3b_fp8 1p3b_fp8rw "
-                                              "large_base large_fast_b8; *_fp8: --fp8 tensorwise, *_fp8rw: rowwise; "
-                                              "*_b8: the earlier micro-batch)")
+                                              "large_fast_cuda_graphs 1p3b_fast_cuda_graphs large_base; *_fp8: --fp8 "
+                                              "tensorwise, *_fp8rw: rowwise)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
     args = p.parse_args(argv)
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="ts_gpu_speed_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     vocab = 500 if args.toy else GPT2_VOCAB
-    configs = {"toy": ("2 64 2 128", 2, 1)} if args.toy else CONFIGS
+    configs = {"toy": ("2 64 2 128", 2)} if args.toy else CONFIGS
     window, profile = ((2, 3), 4) if args.toy else (WINDOW, PROFILE)
     tokens_needed = max(c[1] for c in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
     data = gpt2_sized_data(args.data.parent, tokens_needed, vocab) if not args.toy else \
@@ -202,10 +203,10 @@ def main(argv=None) -> int:
 
 def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int, str | None]]:
     """(run name, config, fairseq-train flags, sequences per update, metric suffix or None), the runs
-    behind the issue's metrics first: the fast path, stock, FP8; then, for ``ts_lm_large``, the default
-    path ("base") and the fast path at the earlier runs' micro-batch ("_b8")."""
-    first, then = [], []
-    for cname, (dims, batch, earlier_batch) in configs.items():
+    behind the issue's metrics first: the fast path, stock, FP8; then the fast path with CUDA graphs
+    and, for ``ts_lm_large``, the default path ("base")."""
+    first, graphs, then = [], [], []
+    for cname, (dims, batch) in configs.items():
         arch = ["--user-dir", str(USER_DIR), "--arch", "ts_lm_large", *decoder_dim_flags(dims), "--backbone", "magneto"]
         short = "large" if cname == "ts_lm_large" else cname
         first.append((f"{short}_fast", cname, arch + FAST, batch, ""))
@@ -222,10 +223,11 @@ def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int,
                     first.append((name, cname, arch + FAST + ["--fp8", recipe], batch, None))
                 else:
                     print(f"not run: {name} ({why_not})", flush=True)
-        if cname != "1p3b":  # the 1.3B model's default path and micro-batch 4: measured twice on 2026-11-28
+        if device == "cuda":
+            graphs.append((f"{short}_fast{GRAPHS}", cname, arch + FAST + ["--ts-cuda-graphs"], batch, GRAPHS))
+        if cname != "1p3b":  # the 1.3B model's default path: measured twice on 2026-11-28
             then.append((f"{short}_base", cname, arch + ["--optimizer", "adam"], batch, "_baseline"))
-            then.append((f"{short}_fast_b{earlier_batch}", cname, arch + FAST, earlier_batch, f"_b{earlier_batch}"))
-    return first + then
+    return first + graphs + then
 
 
 def fp8_unavailable(device: str) -> str | None:
@@ -255,12 +257,14 @@ def record(name: str, config: str, suffix: str | None, r: dict, runs: dict, peak
             rows.append((f"mfu_measured_{config}{suffix}", achieved / peak, None))
         append_results(path, rows, device, r["command"])
         print("\n".join(f"RESULT {m} {v:.4f} (target {t})" for m, v, t in rows), flush=True)
-    fast = runs.get("large_fast") or runs.get("toy_fast")
-    if name in ("stock", "large_fast", "toy_fast") and fast is not None and "stock" in runs:
-        ratio = fast["tokens_per_s"] / runs["stock"]["tokens_per_s"]
-        append_results(path, [("tokens_per_s_vs_stock", ratio, TARGETS["tokens_per_s_vs_stock"])], device,
-                       fast["command"] + " vs " + runs["stock"]["command"])
-        print(f"RESULT tokens_per_s_vs_stock {ratio:.4f} (target {TARGETS['tokens_per_s_vs_stock']})", flush=True)
+    for suffix in ("", GRAPHS):
+        fast_names = (f"large_fast{suffix}", f"toy_fast{suffix}")
+        fast = runs.get(fast_names[0]) or runs.get(fast_names[1])
+        if name in ("stock", *fast_names) and fast is not None and "stock" in runs:
+            metric, ratio = f"tokens_per_s_vs_stock{suffix}", fast["tokens_per_s"] / runs["stock"]["tokens_per_s"]
+            append_results(path, [(metric, ratio, TARGETS["tokens_per_s_vs_stock"])], device,
+                           fast["command"] + " vs " + runs["stock"]["command"])
+            print(f"RESULT {metric} {ratio:.4f} (target {TARGETS['tokens_per_s_vs_stock']})", flush=True)
     bf16 = runs.get("1p3b_fast")
     for fp8_name, recipe in FP8_RUNS.items():
         if name in (fp8_name, "1p3b_fast") and bf16 is not None and fp8_name in runs:

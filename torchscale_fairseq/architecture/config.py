@@ -62,6 +62,7 @@ class StackConfig:
     checkpoint_activations: bool = False  # recompute whole layers (--checkpoint-activations full)
     selective_recompute: bool = False  # recompute only the attention core (--checkpoint-activations selective)
     compile_layers: bool = False
+    cuda_graphs: bool = False  # the decoder's layers captured in CUDA graphs in training (--ts-cuda-graphs)
     attention_backend: str = "auto"  # SDPA kernel (--ts-attention-backend)
     fused_cross_entropy: bool = False  # output layer + loss in chunks (--ts-fused-cross-entropy)
     loss_chunk_tokens: int = 4096
@@ -138,6 +139,7 @@ class StackConfig:
             checkpoint_activations=recompute == "full",
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
+            cuda_graphs=getattr(args, "ts_cuda_graphs", False),
             attention_backend=getattr(args, "ts_attention_backend", "auto"),
             fused_cross_entropy=getattr(args, "ts_fused_cross_entropy", False),
             loss_chunk_tokens=getattr(args, "ts_loss_chunk_tokens", 4096),

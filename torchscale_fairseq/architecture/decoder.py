@@ -17,6 +17,7 @@ import torch.nn as nn
 from fairseq.models import FairseqIncrementalDecoder
 
 from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.padding_layout import INTERIOR, NONE, TRAILING, after_padding, known_padding_layout
@@ -54,6 +55,7 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         self.embed = embed if cfg.split.holds_first_stage else None
         self.layers = self.init_stage(cfg, lambda i: wrap_layer(
             TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")), cfg))
+        self.cuda_graphs = GraphedLayers() if cfg.cuda_graphs else None
         last = self.split.holds_last_stage
         self.layer_norm = (nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
                            if cfg.backbone.normalize_before and last else None)
@@ -185,6 +187,11 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         moe = list(encoder_out.get("moe", [])) if encoder_out is not None else []
         layers = self.chunk_layers(chunk)
         self.log_attention_kernel(layers, x, causal=True)
+        if self.cuda_graphs is not None and incremental_state is None and not return_all_hiddens and all(
+                t is None for t in (padding_mask, attn_mask, bias, memory, ring_documents)):
+            graphed = self.cuda_graphs(layers, x)
+            if graphed is not None:
+                x, layers = graphed, []
         for layer in layers:
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,

@@ -86,6 +86,7 @@ from torchscale_fairseq.integration.cpu_autocast import cpu_autocast
 from torchscale_fairseq.integration.host_overhead import (
     DeviceSkips,
     LazyLoggingOutput,
+    check_cuda_graphs,
     check_sync_free_step,
     fused_adam,
     no_gc_pause,
@@ -227,6 +228,8 @@ class TsTrainer(ScheduledTrainer):
         self.sync_free = bool(getattr(cfg.model, "ts_sync_free_step", False))
         if self.sync_free:
             check_sync_free_step(cfg)
+        if getattr(cfg.model, "ts_cuda_graphs", False):
+            check_cuda_graphs(cfg, self.parallel.world_size, torch.cuda.is_available() and not cfg.common.cpu)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
         check_fully_sharded(cfg, self.parallel.data_context_size, self.parallel.pipeline_size,
