@@ -34,6 +34,9 @@ runs ``torch._grouped_mm`` too, as a loop of GEMMs inside PyTorch), or ``both``:
 layer with the same weights at every E, interleaved in the same run (the table gets a
 grouped/loop column, the verdict is taken on the layers the layer's default would pick on this device:
 grouped on a Hopper GPU in bf16, the loop elsewhere).
+``--cuda-graphs both`` (CUDA, grouped GEMMs: the loop reads expert counts on the host) adds a twin of
+every step, the dense FFN's too, captured whole in a CUDA graph and timed as its replay (one launch);
+the twins are compared with the graphed dense FFN (metrics suffixed ``_cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -109,7 +112,29 @@ def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
 
 
 ROUTED = ", compiled routing"  # the twin of a layer with --compiled-routing both
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPHED = ", CUDA graphs"  # the twin of a step with --cuda-graphs both
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def graphed(step, module):
+    """``step`` captured whole in a CUDA graph after three warm-up runs on a side stream (PyTorch's
+    whole-network capture), returned as its replay: the step's kernels in one launch. The gradients
+    the capture allocated stay referenced while the replay lives."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    kept = [p.grad for p in module.parameters()]
+
+    def replay():
+        graph.replay()
+        return kept
+    return replay
 
 
 def launches(step) -> int:
@@ -133,6 +158,16 @@ def launches(step) -> int:
             parent = parent.cpu_parent
         return False
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
+
+
+def _graphed_name(name):
+    """The name of a step's CUDA-graph twin: ``dense`` or an ``(E, mode)`` key."""
+    return name + GRAPHED if isinstance(name, str) else (name[0], name[1] + GRAPHED)
+
+
+def _dense_of(mode: str) -> str:
+    """The dense step a layer's ``mode`` is compared with: its graphed twin for a graphed layer."""
+    return "dense" + GRAPHED if mode.endswith(GRAPHED) else "dense"
 
 
 def one_hot_step(layer: MoELayer, x: torch.Tensor):
@@ -182,7 +217,13 @@ def main() -> None:
                         help="the MoE layers' routing compiled as one graph (--moe-compiled-routing on), eager (off), "
                              "or both: a twin of every layer with the same weights (metrics suffixed "
                              "_compiled_routing); for eager layers (--compile compiles the whole layer)")
+    parser.add_argument("--cuda-graphs", default="off", choices=["off", "both"],
+                        help="both: a twin of every step captured in a CUDA graph and replayed (CUDA, --expert-gemm "
+                             "grouped; metrics suffixed _cuda_graphs)")
     args = parser.parse_args()
+    if args.cuda_graphs == "both" and (args.device != "cuda" or args.expert_gemm != "grouped"):
+        parser.error("--cuda-graphs both needs --device cuda and --expert-gemm grouped (the per-expert loop reads the "
+                     "expert counts on the host, which a graph cannot replay)")
     if args.compile != "none" and args.compiled_routing != "off":
         parser.error(f"--compiled-routing {args.compiled_routing} is for eager layers: --compile {args.compile} "
                      "compiles the routing with the whole layer (drop one of them)")
@@ -197,7 +238,8 @@ def main() -> None:
     print(f"# {now()} | {device_line(args.device)} | {args.dtype} | load {load_average()} | threads {args.threads} | "
           f"T={args.tokens} d={args.dim} ffn={args.ffn} | top-{args.top_k} of experts {width} wide "
           f"(= {dense_equivalents:g} dense FFNs) cf=1.0 | expert GEMMs {args.expert_gemm} | "
-          f"zero_grad(set_to_none=True) for all | compile {args.compile} | {args.repeats} interleaved runs")
+          f"zero_grad(set_to_none=True) for all | compile {args.compile} | CUDA graphs {args.cuda_graphs} | "
+          f"{args.repeats} interleaved runs")
     modes = ["grouped", "loop"] if args.expert_gemm == "both" else [args.expert_gemm]
     layers: dict[tuple[int, str], MoELayer] = {}
     for e in args.experts:
@@ -213,16 +255,22 @@ def main() -> None:
                 twin = copy.deepcopy(layer)
                 twin.compiled_routing = True
                 layers[(e, mode + ROUTED)] = twin
-    steps = [fwd_bwd(m, x, args.compile) for m in (dense, *layers.values())]
+    modules = {"dense": dense, **layers}
+    steps = {name: fwd_bwd(m, x, args.compile) for name, m in modules.items()}
+    if args.cuda_graphs == "both":
+        steps.update({_graphed_name(name): graphed(steps[name], modules[name]) for name in list(steps)})
+        layers.update({_graphed_name(key): layers[key] for key in list(layers)})
+    names = list(steps)
+    steps = list(steps.values())
     host_samples: list[list[float]] = []
     samples = interleaved_times(steps, args.repeats, host_samples)
-    names = ["dense", *layers]
     best = dict(zip(names, (min(t) for t in samples)))
     median = dict(zip(names, (statistics.median(t) for t in samples)))
     host = dict(zip(names, (statistics.median(t) for t in host_samples)))
     ops = dict(zip(names, (launches(step) for step in steps)))
-    print(f"dense FFN: best {_ms(best['dense'])} ms, median {_ms(median['dense'])} ms, host {_ms(host['dense'])} ms "
-          f"(median), {ops['dense']} launches per step")
+    for d in [n for n in names if not isinstance(n, tuple)]:
+        print(f"dense FFN{d[len('dense'):]}: best {_ms(best[d])} ms, median {_ms(median[d])} ms, host {_ms(host[d])} ms "
+              f"(median), {ops[d]} launches per step")
     scale = dense_equivalents
     print("| E | GEMMs | MoE best (ms) | MoE median (ms) | ratio to dense (best) | ratio (median) | "
           "grouped / loop (median) | one-hot einsum (ms) | one-hot ratio | MoE host (ms, median) | launches |")
@@ -235,17 +283,21 @@ def main() -> None:
             ref = "skipped | -"
         routed = ROUTED if mode.endswith(ROUTED) else ""  # a twin against its twin
         versus = f"{median[(e, 'grouped' + routed)] / median[(e, 'loop' + routed)]:.2f}" if len(modes) == 2 else "-"
+        d = _dense_of(mode)
         print(f"| {e} | {mode} | {_ms(best[(e, mode)])} | {_ms(median[(e, mode)])} | "
-              f"{best[(e, mode)] / (scale * best['dense']):.2f} | {median[(e, mode)] / (scale * median['dense']):.2f} | "
+              f"{best[(e, mode)] / (scale * best[d]):.2f} | {median[(e, mode)] / (scale * median[d]):.2f} | "
               f"{versus} | {ref} | {_ms(host[(e, mode)])} | {ops[(e, mode)]} |", flush=True)
     judged = modes[0]
     if args.expert_gemm == "both":  # the layer's own choice on this device (grouped_mm_fits)
         experts = layers[(args.experts[0], "grouped")].experts
         judged = "grouped" if grouped_mm_fits(x, experts.fc1_weight) else "loop"
-    for variant in [judged] + ([judged + ROUTED] if args.compiled_routing == "both" else []):
-        ratios = {e: median[(e, variant)] / (scale * median["dense"]) for e in args.experts}
+    variants = [judged] + ([judged + ROUTED] if args.compiled_routing == "both" else [])
+    variants += [_graphed_name(v) for v in variants] if args.cuda_graphs == "both" else []
+    for variant in variants:
+        ratios = {e: median[(e, variant)] / (scale * median[_dense_of(variant)]) for e in args.experts}
         worst = max(ratios, key=ratios.get)
-        suffix = "_compiled_routing" if variant.endswith(ROUTED) or args.compiled_routing == "on" else ""
+        suffix = "_compiled_routing" if ROUTED in variant or args.compiled_routing == "on" else ""
+        suffix += "_cuda_graphs" if variant.endswith(GRAPHED) else ""
         compiled = args.compile != "none"
         issue_target = 1.15 if compiled else 2.0  # issue 43's, for the GPU
         target = args.target if args.target is not None else issue_target if args.device == "cuda" else 1.25
