@@ -62,20 +62,25 @@ def test_ts_adamw_fused_kernel_on_cuda_equals_its_for_loop_reference():
 def test_fast_flags_track_the_default_path(lm_data, tmp_path):
     """The fast flags track the default path; ``--ts-sync-free-step`` on top of them changes no update
     (the same losses as logged, the same kernels; only the host's waits differ), nor does
-    ``--ts-cuda-graphs`` on top of that (the same kernels, replayed)."""
+    ``--ts-cuda-graphs`` on top of that (the same kernels, replayed), also with two micro-batches per
+    update through fairseq's bf16 optimizer and validation between updates."""
     base = [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "20",
             "--no-save", "--dropout", "0.0", *[f for f in LM_TRAIN if f != "--cpu"], "--log-interval", "1", "--bf16",
             "--disable-validation"]
     fast_flags = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw"]
-    default, fast, sync_free, graphed = run_many([
+    validated = [f for f in base if f != "--disable-validation"] + ["--update-freq", "2", "--validate-interval-updates",
+                                                                     "5", *fast_flags, "--ts-sync-free-step"]
+    default, fast, sync_free, graphed, accumulated, accumulated_graphed = run_many([
         base + ["--save-dir", tmp_path / "default"],
         [*base, "--save-dir", tmp_path / "fast", *fast_flags],
         [*base, "--save-dir", tmp_path / "sync_free", *fast_flags, "--ts-sync-free-step"],
         [*base, "--save-dir", tmp_path / "graphed", *fast_flags, "--ts-sync-free-step", "--ts-cuda-graphs"],
+        [*validated, "--save-dir", tmp_path / "accumulated"],
+        [*validated, "--save-dir", tmp_path / "accumulated_graphed", "--ts-cuda-graphs"],
     ])
     losses = [[float(r["loss"]) for r in json_logs(p.stdout + p.stderr, "train_inner")]
-              for p in (default, fast, sync_free, graphed)]
-    assert [len(run_losses) for run_losses in losses] == [20] * 4, losses
+              for p in (default, fast, sync_free, graphed, accumulated, accumulated_graphed)]
+    assert [len(run_losses) for run_losses in losses] == [20] * 6, losses
     assert losses[1][-1] < losses[1][0] - 0.5
     for a, b in zip(*losses[:2]):
         assert abs(a - b) <= 0.05 * a, losses  # bf16 rounding of differently ordered sums, over 20 updates
@@ -83,5 +88,10 @@ def test_fast_flags_track_the_default_path(lm_data, tmp_path):
         assert abs(a - b) <= 2e-3, losses  # logged to 3 decimals; only atomics' order may differ
     assert "skipped on the device" not in sync_free.stdout + sync_free.stderr
     assert "--ts-cuda-graphs: 2 layers captured at input shape" in graphed.stdout + graphed.stderr
-    for a, b in zip(*losses[2:]):
+    for a, b in zip(*losses[2:4]):
         assert abs(a - b) <= 2e-3, losses
+    for a, b in zip(*losses[4:]):
+        assert abs(a - b) <= 2e-3, losses
+    valid = [[float(r["valid_loss"]) for r in json_logs(p.stdout + p.stderr, "valid")]
+             for p in (accumulated, accumulated_graphed)]
+    assert len(valid[0]) == len(valid[1]) >= 4 and all(abs(a - b) <= 2e-3 for a, b in zip(*valid)), valid

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.model_utils import build, dictionary
+from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, make_graphed_layers
 
 pytestmark = pytest.mark.gpu
 
@@ -19,6 +20,16 @@ DIMS = dict(decoder_layers=3, decoder_embed_dim=64, decoder_ffn_embed_dim=256)
 def lm(seed: int, **overrides):
     torch.manual_seed(seed)
     return build("lm", dictionary(), **DIMS, **overrides).cuda().train()
+
+
+def counted(model) -> list:
+    """The model's graphs captured by the real capture, each replay of a layer's forward counted."""
+    replays: list = []
+
+    def capture(steps, samples):
+        return tuple((lambda x, step=step: replays.append(1) or step(x)) for step in make_graphed_layers(steps, samples))
+    model.decoder.cuda_graphs = GraphedLayers(capture, model.decoder.cfg.compile_layers)
+    return replays
 
 
 def train(model, updates: list[list[torch.Tensor]]) -> tuple[list[float], list[torch.Tensor]]:
@@ -48,8 +59,9 @@ def test_graphed_layers_on_cuda_train_like_the_layers(compiled):
             for _ in range(4)]
     plain_losses, plain_grads = train(lm(1, ts_compile=compiled), data)
     model = lm(1, ts_compile=compiled, ts_cuda_graphs=True)
+    replays = counted(model)
     losses, grads = train(model, data)
-    assert model.decoder.cuda_graphs.shape is not None  # captured, and replayed for every micro-batch after
+    assert len(replays) == 4 * 2 * DIMS["decoder_layers"]  # every micro-batch, every layer
     assert plain_losses[-1] < plain_losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
     for got, want in zip(grads, plain_grads):
@@ -59,11 +71,12 @@ def test_graphed_layers_on_cuda_train_like_the_layers(compiled):
 def test_graphed_dropout_draws_new_masks_at_every_replay():
     d = dictionary()
     model = lm(2, dropout=0.1, ts_cuda_graphs=True)
+    replays = counted(model)
     tokens = torch.randint(d.nspecial, len(d), (8, 64), device="cuda")
     first, _ = model(tokens)
     second, _ = model(tokens)
     third, _ = model(tokens)
-    assert model.decoder.cuda_graphs.shape is not None
+    assert len(replays) == 3 * DIMS["decoder_layers"]
     assert not torch.equal(second, third) and not torch.equal(first, second)
     model.eval()
     with torch.no_grad():

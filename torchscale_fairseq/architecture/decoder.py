@@ -17,7 +17,7 @@ import torch.nn as nn
 from fairseq.models import FairseqIncrementalDecoder
 
 from torchscale_fairseq.architecture.config import StackConfig
-from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers
+from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, check_graphable
 from torchscale_fairseq.architecture.embedding import InputEmbedding
 from torchscale_fairseq.architecture.layer import TransformerLayer, wrap_layer
 from torchscale_fairseq.architecture.padding_layout import INTERIOR, NONE, TRAILING, after_padding, known_padding_layout
@@ -55,7 +55,10 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
         self.embed = embed if cfg.split.holds_first_stage else None
         self.layers = self.init_stage(cfg, lambda i: wrap_layer(
             TransformerLayer(cfg, cross_attention=cross_attention, ffn=build_ffn(cfg, i, f"dec{i}")), cfg))
-        self.cuda_graphs = GraphedLayers() if cfg.cuda_graphs else None
+        self.cuda_graphs = None
+        if cfg.cuda_graphs:
+            check_graphable(cfg)
+            self.cuda_graphs = GraphedLayers(dynamic_batch=cfg.compile_layers)
         last = self.split.holds_last_stage
         self.layer_norm = (nn.LayerNorm(cfg.embed_dim, eps=cfg.layernorm_eps)
                            if cfg.backbone.normalize_before and last else None)

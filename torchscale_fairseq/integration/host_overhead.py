@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from torchscale_fairseq.architecture.config import checkpoint_mode
 from torchscale_fairseq.errors import TsConfigError
 
 
@@ -68,23 +67,16 @@ def check_sync_free_step(cfg: Any) -> None:
                             "them")
 
 
-def check_cuda_graphs(cfg: Any, world_size: int, cuda: bool) -> None:
-    """``--ts-cuda-graphs``' one-line refusals before anything is built (what it does not capture);
+def check_cuda_graphs(cfg: Any, cuda: bool) -> None:
+    """``--ts-cuda-graphs``' one-line refusals of a training run (the model refuses what its layers
+    cannot capture: :func:`~torchscale_fairseq.architecture.cuda_graphs.check_graphable`);
     ``cuda``: whether the run trains on a CUDA device."""
-    model = cfg.model
     clashes = [
         (not cuda, "needs a CUDA device and this run is on the CPU: drop the flag"),
         (cfg.common.amp, "cannot replay --amp's autocast (it caches casts across calls): use --bf16 or --fp16"),
-        (checkpoint_mode(getattr(model, "checkpoint_activations", "none")) != "none",
-         "cannot capture --checkpoint-activations' recomputation: drop one of the two flags"),
-        (world_size > 1, f"runs on one GPU for now (this run has {world_size} ranks): drop the flag"),
-        (getattr(model, "moe_expert_count", 0) > 0,
-         "does not capture MoE layers (their routing statistics leave the layer every step): drop the flag"),
-        (getattr(model, "rel_pos_buckets", 0) > 0,
-         "captures layers without a position bias: use --xpos or --rel-pos-buckets 0"),
         (getattr(cfg.task, "document_masking", False),
          "captures layers without a document mask: drop --document-masking or the flag"),
-        (getattr(model, "fp8", "none") != "none", "and --fp8 have not been tested together: drop one of the two"),
+        (getattr(cfg.model, "fp8", "none") != "none", "and --fp8 have not been tested together: drop one of the two"),
     ]
     why = next((why for clash, why in clashes if clash), None)
     if why is not None:
