@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, last_error_line, run, tool
 from tests.helpers.model_utils import build, dictionary
-from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, check_graphable, make_graphed_layers
+from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, make_graphed_layers
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.host_overhead import check_cuda_graphs
 
@@ -196,20 +195,18 @@ def test_the_refusals_name_what_is_not_captured(lm_data, tmp_path):
     def cfg(common=None, task=None, **model):
         return OmegaConf.create({"common": {"amp": False, **(common or {})}, "task": task or {}, "model": model})
 
-    check_cuda_graphs(cfg(), cuda=True)
-    check_cuda_graphs(cfg(fp8="none"), cuda=True)
+    check_cuda_graphs(cfg(), 1, cuda=True)
+    check_cuda_graphs(cfg(fp8="none"), 1, cuda=True)
     refused = [
-        (lambda: check_cuda_graphs(cfg(common={"amp": True}), cuda=True), "cannot replay --amp's autocast"),
-        (lambda: check_cuda_graphs(cfg(task={"document_masking": True}), cuda=True),
+        (lambda: check_cuda_graphs(cfg(common={"amp": True}), 1, cuda=True), "cannot replay --amp's autocast"),
+        (lambda: check_cuda_graphs(cfg(), 2, cuda=True), "runs on one GPU for now (this run has 2 ranks)"),
+        (lambda: check_cuda_graphs(cfg(task={"document_masking": True}), 1, cuda=True),
          "drop --document-masking or the flag"),
-        (lambda: check_cuda_graphs(cfg(fp8="rowwise"), cuda=True), "--ts-cuda-graphs and --fp8 have not been tested"),
+        (lambda: check_cuda_graphs(cfg(fp8="rowwise"), 1, cuda=True), "--ts-cuda-graphs and --fp8 have not been tested"),
         (lambda: graphed_lm(moe_expert_count=4), "does not capture MoE layers"),
         (lambda: graphed_lm(checkpoint_activations="full"), "cannot capture --checkpoint-activations' recomputation"),
         (lambda: graphed_lm(checkpoint_activations="selective"), "cannot capture --checkpoint-activations'"),
         (lambda: graphed_lm(rel_pos_buckets=32), "use --xpos or --rel-pos-buckets 0"),
-        (lambda: check_graphable(SimpleNamespace(moe=None, checkpoint_activations=False, selective_recompute=False,
-                                                 rel_pos_buckets=0, parallel=SimpleNamespace(world_size=2))),
-         "runs on one GPU for now (this run has 2 ranks)"),
     ]
     for refusal, message in refused:
         with pytest.raises(TsConfigError, match="^--ts-cuda-graphs ") as e:

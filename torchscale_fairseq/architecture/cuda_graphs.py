@@ -61,15 +61,15 @@ def make_graphed_layers(steps: tuple[nn.Module, ...], samples: tuple[tuple[torch
 
 
 def check_graphable(cfg: StackConfig) -> None:
-    """What ``LayerStep`` cannot capture, refused in one line when the stack is built."""
+    """What ``LayerStep`` cannot capture, refused in one line when the stack is built (a model that
+    trained with graphs passed, so its checkpoint builds anywhere: the run's own limits are the
+    trainer's, :func:`~torchscale_fairseq.integration.host_overhead.check_cuda_graphs`)."""
     clashes = [
         (cfg.moe is not None, "does not capture MoE layers (their routing statistics leave the layer every step): "
                               "drop the flag or --moe-expert-count"),
         (cfg.checkpoint_activations or cfg.selective_recompute,
          "cannot capture --checkpoint-activations' recomputation: drop one of the two flags"),
         (cfg.rel_pos_buckets > 0, "captures layers without a position bias: use --xpos or --rel-pos-buckets 0"),
-        (cfg.parallel.world_size > 1, f"runs on one GPU for now (this run has {cfg.parallel.world_size} ranks): "
-                                      "drop the flag"),
     ]
     why = next((why for clash, why in clashes if clash), None)
     if why is not None:

@@ -67,13 +67,14 @@ def check_sync_free_step(cfg: Any) -> None:
                             "them")
 
 
-def check_cuda_graphs(cfg: Any, cuda: bool) -> None:
+def check_cuda_graphs(cfg: Any, world_size: int, cuda: bool) -> None:
     """``--ts-cuda-graphs``' one-line refusals of a training run (the model refuses what its layers
     cannot capture: :func:`~torchscale_fairseq.architecture.cuda_graphs.check_graphable`);
     ``cuda``: whether the run trains on a CUDA device."""
     clashes = [
         (not cuda, "needs a CUDA device and this run is on the CPU: drop the flag"),
         (cfg.common.amp, "cannot replay --amp's autocast (it caches casts across calls): use --bf16 or --fp16"),
+        (world_size > 1, f"runs on one GPU for now (this run has {world_size} ranks): drop the flag"),
         (getattr(cfg.task, "document_masking", False),
          "captures layers without a document mask: drop --document-masking or the flag"),
         (getattr(cfg.model, "fp8", "none") != "none", "and --fp8 have not been tested together: drop one of the two"),
