@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,7 @@ def _become(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # resolved from this environment's TMPDIR, as a new interpreter would
     threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(threads) if threads and threads.isdigit() else (os.cpu_count() or 1))
     args = request["args"]
@@ -143,6 +145,7 @@ class _Server:
         self._proc: subprocess.Popen | None = None
         self._dir = ""
         self.path = ""
+        atexit.register(self.stop)
 
     def address(self) -> str:
         with self._lock:
@@ -151,6 +154,7 @@ class _Server:
             return self.path
 
     def _start(self) -> None:
+        self.stop()
         self._dir = tempfile.mkdtemp(prefix="prewarmed-")
         self.path = os.path.join(self._dir, "server.sock")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -162,12 +166,15 @@ class _Server:
         if line.strip() != b"ready":
             self._proc.kill()
             raise RuntimeError(f"the prewarmed server did not start (exit {self._proc.wait()})")
-        atexit.register(self.stop)
 
     def stop(self) -> None:
+        """End the server (if running) and remove its socket's directory."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
 
     def ask(self, request: dict, fds: Sequence[int] = ()) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:

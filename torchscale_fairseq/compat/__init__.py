@@ -9,6 +9,7 @@ from __future__ import annotations
 from torchscale_fairseq.compat.batching import patch_batching
 from torchscale_fairseq.compat.checkpoint_writes import patch_checkpoint_writes
 from torchscale_fairseq.compat.cpu_mixed_precision import patch_cpu_mixed_precision
+from torchscale_fairseq.compat.dataloader_worker_tempdir import patch_dataloader_worker_tempdir
 from torchscale_fairseq.compat.distributed_cpu import patch_fairseq_distributed
 from torchscale_fairseq.compat.distributed_nn_defaults import patch_distributed_nn_defaults
 from torchscale_fairseq.compat.ngram_repeat_block import patch_ngram_repeat_block
@@ -29,4 +30,5 @@ def apply_fairseq_fixes() -> None:
     patch_fairseq_distributed()
     patch_cpu_mixed_precision()
     patch_prefetch_thread_exit()
+    patch_dataloader_worker_tempdir()
     patch_distributed_nn_defaults()
