@@ -17,16 +17,19 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, last_error_line, run, tool
-from tests.helpers.model_utils import build, dictionary
-from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, make_graphed_layers
+from tests.helpers.model_utils import build, dictionary, train_lm
+from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, LayerStep, make_graphed_layers
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.integration.host_overhead import check_cuda_graphs
+from torchscale_fairseq.modules.moe.aux_loss import aux_loss_scales, set_aux_loss_scale
+from torchscale_fairseq.modules.moe.layer import MoELayer
 
 DIMS = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, dropout=0.0)
 
 
 class StaticBufferCapture:
-    """``make_graphed_callables``' input, output and gradient buffers on the CPU (module docstring)."""
+    """``make_graphed_callables``' input, output and gradient buffers on the CPU (module docstring),
+    after a warm-up pass of each layer on its samples, as the capture runs."""
 
     def __init__(self) -> None:
         self.captures = 0
@@ -34,37 +37,46 @@ class StaticBufferCapture:
 
     def __call__(self, steps, samples):
         self.captures += 1
-        self.samples_need_grad = [static_input.requires_grad for (static_input,) in samples]
-        return tuple(self._replayed(step, static_input) for step, (static_input,) in zip(steps, samples))
+        self.samples_need_grad = [inputs[0].requires_grad for inputs in samples]
+        for step, inputs in zip(steps, samples):
+            step(*inputs)
+        return tuple(self._replayed(step, inputs) for step, inputs in zip(steps, samples))
 
-    def _replayed(self, step, static_input):
+    def _replayed(self, step, static_inputs):
         params = tuple(step.parameters())
         static: dict = {}
         capture = self
 
         class Replay(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, x, *unused_params):
+            def forward(ctx, *args):
                 capture.replays += 1
-                static_input.detach().copy_(x)
+                for buffer, arg in zip(static_inputs, args):
+                    buffer.detach().copy_(arg)
                 with torch.enable_grad():
-                    inp = static_input.detach().requires_grad_(static_input.requires_grad)
-                    out = step(inp)
-                static["input"], static["output"] = inp, out
-                static.setdefault("y", torch.empty_like(out)).copy_(out.detach())
-                return static["y"].detach()
+                    live = [buffer.detach().requires_grad_(buffer.requires_grad) for buffer in static_inputs]
+                    out = step(*live)
+                outs = out if isinstance(out, tuple) else (out,)
+                static["inputs"], static["outputs"] = live, outs
+                buffers = static.setdefault("outputs_static", [torch.empty_like(o) for o in outs])
+                for buffer, o in zip(buffers, outs):
+                    buffer.copy_(o.detach())
+                replayed = tuple(buffer.detach() for buffer in buffers)
+                return replayed if isinstance(out, tuple) else replayed[0]
 
             @staticmethod
-            def backward(ctx, grad):
-                wanted = ((static["input"],) if static_input.requires_grad else ()) + params
-                grads = torch.autograd.grad(static["output"], wanted, grad, allow_unused=True)
-                buffers = static.setdefault("grads", [torch.zeros_like(t) for t in wanted])
-                for buffer, g in zip(buffers, grads):
+            def backward(ctx, *grads):
+                inputs = [t for t in static["inputs"] if t.requires_grad]
+                pairs = [(o, g) for o, g in zip(static["outputs"], grads) if o.requires_grad]
+                got = torch.autograd.grad([o for o, _ in pairs], (*inputs, *params), [g for _, g in pairs],
+                                          allow_unused=True)
+                buffers = static.setdefault("grads", [torch.zeros_like(t) for t in (*inputs, *params)])
+                for buffer, g in zip(buffers, got):
                     buffer.copy_(g if g is not None else torch.zeros_like(buffer))
-                out = tuple(b.detach() for b in buffers)
-                return out if static_input.requires_grad else (None, *out)
+                out = iter(buffer.detach() for buffer in buffers)
+                return (*(next(out) if t.requires_grad else None for t in static["inputs"]), *out)
 
-        return lambda x: Replay.apply(x, *params)
+        return lambda *args: Replay.apply(*args, *params)
 
 
 def graphed_lm(**overrides):
@@ -74,52 +86,50 @@ def graphed_lm(**overrides):
     return model, capture
 
 
-def train(model, updates: list[list[torch.Tensor]]) -> list[float]:
-    """Adam over ``updates``, each a list of micro-batches whose gradients accumulate (``--update-freq``)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for micro_batches in updates:
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for tokens in micro_batches:
-            logits, _ = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            total += float(loss)
-        opt.step()
-        losses.append(total)
-    return losses
-
-
 def batches(shape: tuple[int, int], updates: int, micro: int) -> list[list[torch.Tensor]]:
     d = dictionary()
     g = torch.Generator().manual_seed(0)
     return [[torch.randint(d.nspecial, len(d), shape, generator=g) for _ in range(micro)] for _ in range(updates)]
 
 
-@pytest.mark.parametrize("micro, frozen_embedding", [(1, False), (3, False), (1, True)])
-def test_graphed_layers_train_like_the_layers(micro, frozen_embedding):
-    """Losses and parameters equal the model without graphs, micro-batches accumulated (``--update-freq``):
-    a static gradient autograd kept as ``.grad`` would otherwise be overwritten by the next replay. With
-    the embedding frozen the first layer's input needs no gradient, the others' still do."""
+# layer 2 of 2 an MoE layer (the fused dispatch; an aux-loss-free router bias, whose expert loads the
+# capture's warm-up must not count); a deterministic second expert, as the warm-up draws random numbers
+MOE = dict(moe_expert_count=4, moe_freq=2, moe_second_expert_policy="all", moe_router_bias_update_rate=0.05)
+
+
+@pytest.mark.parametrize("micro, frozen_embedding, moe", [(1, False, False), (3, False, False), (1, True, False),
+                                                          (1, False, True), (3, False, True)])
+def test_graphed_layers_train_like_the_layers(micro, frozen_embedding, moe):
+    """Losses, parameters and buffers equal the model without graphs, micro-batches accumulated
+    (``--update-freq``): a static gradient autograd kept as ``.grad`` would otherwise be overwritten by the
+    next replay. With the embedding frozen the first layer's input needs no gradient, the others' still do.
+    An MoE layer's balance and z-loss gradients reach its router through the graph, its figures are
+    those of the layer run as it is, and its expert biases move as without graphs."""
     torch.set_num_threads(1)
     data = batches((4, 17), 3, micro)
+    overrides = MOE if moe else {}
     models = []
     for graphs in (False, True):
         torch.manual_seed(1)
-        model, capture = graphed_lm() if graphs else (build("lm", dictionary(), **DIMS), None)
+        model, capture = graphed_lm(**overrides) if graphs else (build("lm", dictionary(), **DIMS, **overrides), None)
         model.decoder.embed.embed_tokens.weight.requires_grad_(not frozen_embedding)
         models.append(model)
     plain, graphed = models
     assert list(graphed.state_dict()) == list(plain.state_dict())  # checkpoints unchanged
-    expected = train(plain, data)
-    got = train(graphed, data)
+    expected, expected_figures, _ = train_lm(plain, data, lr=1e-2)
+    got, figures, _ = train_lm(graphed, data, lr=1e-2)
     assert capture.captures == 1 and capture.replays == 3 * micro * 2  # every micro-batch, both layers
     assert capture.samples_need_grad == [not frozen_embedding, True]
     assert expected[-1] < expected[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-6, atol=0)
-    for (name, p), q in zip(graphed.named_parameters(), plain.parameters()):
+    for (name, p), q in zip(graphed.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(figures) == len(expected_figures) == 3 * micro
+    for logged, want in zip(figures, expected_figures):
+        assert logged.keys() == want.keys() and logged == pytest.approx(want, rel=1e-5, abs=1e-7)
+    if moe:
+        (layer,) = [m for m in graphed.modules() if isinstance(m, MoELayer)]
+        assert "moe_cv_dec1" in figures[0] and figures[0]["moe_gate_loss"] > 0 and layer.expert_bias.abs().sum() > 0
 
 
 def test_what_does_not_fit_the_graphs_runs_the_layers(caplog):
@@ -153,6 +163,23 @@ def test_what_does_not_fit_the_graphs_runs_the_layers(caplog):
     assert ema.decoder.cuda_graphs.shape is None and ema.decoder.cuda_graphs.steps == ()
 
 
+def test_moe_layers_without_auxiliary_loss_gradients_run_as_they_are():
+    """A training forward of an MoE model outside the trainer's step (no
+    :class:`~torchscale_fairseq.modules.moe.aux_loss.AuxLossScale` set) runs the layers; the graphs
+    replay once the scales are set."""
+    torch.set_num_threads(1)
+    d = dictionary()
+    torch.manual_seed(1)
+    model, capture = graphed_lm(**MOE)
+    tokens = torch.randint(d.nspecial, len(d), (4, 16), generator=torch.Generator().manual_seed(0))
+    _, extra = model(tokens)
+    assert (capture.captures, capture.replays) == (0, 0) and len(extra["moe"]) == 1
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    set_aux_loss_scale(moe_layers, aux_loss_scales([64], [False], 0.1, 0.01, 1.0, torch.device("cpu"))[0])
+    _, extra = model(tokens)
+    assert (capture.captures, capture.replays) == (1, 2) and [a.tag for a in extra["moe"]] == ["dec1"]
+
+
 def test_graphs_are_for_the_layers_they_captured():
     """Other layers (another chunk of a stack) of the captured shape run as they are."""
     torch.set_num_threads(1)
@@ -177,13 +204,27 @@ def test_the_capture_runs_in_thread_local_error_mode(monkeypatch):
         return steps
 
     graph = torch.cuda.graph
+    steps, samples = (LayerStep(graphed_lm()[0].decoder.chunk_layers(0)[0]),), ((torch.zeros(2, 3, 32),),)
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", without_the_argument)
-    assert make_graphed_layers(("a",), ((None,),)) == ("a",)
+    assert make_graphed_layers(steps, samples) == steps
     assert seen["graph"].func is graph and seen["graph"].keywords == {"capture_error_mode": "thread_local"}
     assert torch.cuda.graph is graph
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", with_the_argument)
-    make_graphed_layers(("a",), ((None,),))
+    make_graphed_layers(steps, samples)
     assert seen["mode"] == "thread_local" and torch.cuda.graph is graph
+
+
+def test_moe_layers_whose_experts_read_counts_on_the_host_are_refused(monkeypatch):
+    """An MoE layer whose experts run one GEMM per expert (here: the CPU, fp32) reads its row counts on
+    the host, which a capture cannot hold: one line before anything is captured."""
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda *a, **k: pytest.fail("captured"))
+    model, _ = graphed_lm(**MOE)
+    steps = tuple(LayerStep(layer) for layer in model.decoder.chunk_layers(0))
+    x, scale = torch.zeros(2, 3, 32), torch.ones(())
+    with pytest.raises(TsConfigError) as e:
+        make_graphed_layers(steps, ((x,), (x, scale, scale)))
+    assert str(e.value).startswith("--ts-cuda-graphs captures MoE layers whose experts run grouped GEMMs")
+    assert "layer 'dec1' runs one GEMM per expert on cpu in float32" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_refusals_name_what_is_not_captured(lm_data, tmp_path):
@@ -203,7 +244,6 @@ def test_the_refusals_name_what_is_not_captured(lm_data, tmp_path):
         (lambda: check_cuda_graphs(cfg(task={"document_masking": True}), 1, cuda=True),
          "drop --document-masking or the flag"),
         (lambda: check_cuda_graphs(cfg(fp8="rowwise"), 1, cuda=True), "--ts-cuda-graphs and --fp8 have not been tested"),
-        (lambda: graphed_lm(moe_expert_count=4), "does not capture MoE layers"),
         (lambda: graphed_lm(checkpoint_activations="full"), "cannot capture --checkpoint-activations' recomputation"),
         (lambda: graphed_lm(checkpoint_activations="selective"), "cannot capture --checkpoint-activations'"),
         (lambda: graphed_lm(rel_pos_buckets=32), "use --xpos or --rel-pos-buckets 0"),

@@ -63,20 +63,25 @@ def test_fast_flags_track_the_default_path(lm_data, tmp_path):
     """The fast flags track the default path; ``--ts-sync-free-step`` on top of them changes no update
     (the same losses as logged, the same kernels; only the host's waits differ), nor does
     ``--ts-cuda-graphs`` on top of that (the same kernels, replayed), also with two micro-batches per
-    update through fairseq's bf16 optimizer and validation between updates."""
+    update through fairseq's bf16 optimizer and validation between updates, and with MoE layers (their
+    balance and z-losses' gradients set by the trainer per micro-batch, their figures logged)."""
     base = [tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "20",
             "--no-save", "--dropout", "0.0", *[f for f in LM_TRAIN if f != "--cpu"], "--log-interval", "1", "--bf16",
             "--disable-validation"]
     fast_flags = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw"]
     validated = [f for f in base if f != "--disable-validation"] + ["--update-freq", "2", "--validate-interval-updates",
                                                                      "5", *fast_flags, "--ts-sync-free-step"]
-    default, fast, sync_free, graphed, accumulated, accumulated_graphed = run_many([
+    moe = [*validated, "--moe-expert-count", "4", "--moe-freq", "2", "--moe-second-expert-policy", "all",
+           "--criterion", "moe_cross_entropy", "--moe-z-loss-wt", "0.001"]
+    default, fast, sync_free, graphed, accumulated, accumulated_graphed, moe_plain, moe_graphed = run_many([
         base + ["--save-dir", tmp_path / "default"],
         [*base, "--save-dir", tmp_path / "fast", *fast_flags],
         [*base, "--save-dir", tmp_path / "sync_free", *fast_flags, "--ts-sync-free-step"],
         [*base, "--save-dir", tmp_path / "graphed", *fast_flags, "--ts-sync-free-step", "--ts-cuda-graphs"],
         [*validated, "--save-dir", tmp_path / "accumulated"],
         [*validated, "--save-dir", tmp_path / "accumulated_graphed", "--ts-cuda-graphs"],
+        [*moe, "--save-dir", tmp_path / "moe"],
+        [*moe, "--save-dir", tmp_path / "moe_graphed", "--ts-cuda-graphs"],
     ])
     losses = [[float(r["loss"]) for r in json_logs(p.stdout + p.stderr, "train_inner")]
               for p in (default, fast, sync_free, graphed, accumulated, accumulated_graphed)]
@@ -95,3 +100,10 @@ def test_fast_flags_track_the_default_path(lm_data, tmp_path):
     valid = [[float(r["valid_loss"]) for r in json_logs(p.stdout + p.stderr, "valid")]
              for p in (accumulated, accumulated_graphed)]
     assert len(valid[0]) == len(valid[1]) >= 4 and all(abs(a - b) <= 2e-3 for a, b in zip(*valid)), valid
+    assert "--ts-cuda-graphs: 2 layers captured at input shape" in moe_graphed.stdout + moe_graphed.stderr
+    moe_logs = [json_logs(p.stdout + p.stderr, "train_inner") for p in (moe_plain, moe_graphed)]
+    assert len(moe_logs[0]) == len(moe_logs[1]) == 20, moe_logs
+    for plain_log, graphed_log in zip(*moe_logs):
+        for key in ("loss", "moe_gate_loss", "moe_z_loss", "moe_cv_dec1", "moe_drop"):
+            assert abs(float(plain_log[key]) - float(graphed_log[key])) <= 2e-3 * max(1.0, abs(float(plain_log[key]))), (
+                key, moe_logs)

@@ -1,16 +1,19 @@
 """``--ts-cuda-graphs`` on the device, against the same model without graphs: losses and accumulated
 gradients of real captures (``torch.cuda.make_graphed_callables``, eager and ``--ts-compile`` layers,
-parameters updated between replays, micro-batches accumulated), and dropout drawing new masks at every
-replay. ``fairseq-train`` with the flag: ``test_cuda_fast_paths.py``. The CPU suite checks the dispatch
-and the static buffers with a stand-in capture (``tests/architecture/test_cuda_graphs.py``)."""
+parameters updated between replays, micro-batches accumulated; dense, and MoE in bf16 with its figures
+and expert loads), and dropout drawing new masks at every replay. ``fairseq-train`` with the flag:
+``test_cuda_fast_paths.py``. The CPU suite checks the dispatch and the static buffers with a stand-in
+capture (``tests/architecture/test_cuda_graphs.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers.model_utils import build, dictionary
+from tests.helpers.model_utils import build, dictionary, train_lm
 from torchscale_fairseq.architecture.cuda_graphs import GraphedLayers, make_graphed_layers
+from torchscale_fairseq.modules.moe.aux_loss import aux_loss_scales, set_aux_loss_scale
+from torchscale_fairseq.modules.moe.layer import MoELayer, discard_expert_loads
 
 pytestmark = pytest.mark.gpu
 
@@ -27,28 +30,10 @@ def counted(model) -> list:
     replays: list = []
 
     def capture(steps, samples):
-        return tuple((lambda x, step=step: replays.append(1) or step(x)) for step in make_graphed_layers(steps, samples))
+        return tuple((lambda *args, step=step: replays.append(1) or step(*args))
+                     for step in make_graphed_layers(steps, samples))
     model.decoder.cuda_graphs = GraphedLayers(capture, model.decoder.cfg.compile_layers)
     return replays
-
-
-def train(model, updates: list[list[torch.Tensor]]) -> tuple[list[float], list[torch.Tensor]]:
-    """Per-update summed losses of Adam over micro-batches that accumulate, and the first update's gradients."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses, first_grads = [], []
-    for micro_batches in updates:
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for tokens in micro_batches:
-            logits, _ = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-            total += float(loss)
-        if not first_grads:
-            first_grads = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-        losses.append(total)
-    return losses, first_grads
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -57,15 +42,53 @@ def test_graphed_layers_on_cuda_train_like_the_layers(compiled):
     g = torch.Generator(device="cuda").manual_seed(0)
     data = [[torch.randint(d.nspecial, len(d), (8, 65), device="cuda", generator=g) for _ in range(2)]
             for _ in range(4)]
-    plain_losses, plain_grads = train(lm(1, ts_compile=compiled), data)
+    plain_losses, _, plain_grads = train_lm(lm(1, ts_compile=compiled), data, lr=1e-3)
     model = lm(1, ts_compile=compiled, ts_cuda_graphs=True)
     replays = counted(model)
-    losses, grads = train(model, data)
+    losses, _, grads = train_lm(model, data, lr=1e-3)
     assert len(replays) == 4 * 2 * DIMS["decoder_layers"]  # every micro-batch, every layer
     assert plain_losses[-1] < plain_losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
     for got, want in zip(grads, plain_grads):
         assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-7
+
+
+# every other layer MoE, experts as grouped GEMMs in bf16 (a capture needs them), an aux-loss-free router
+# bias; a deterministic second expert, as the capture's warm-up draws random numbers
+MOE = dict(moe_expert_count=8, moe_freq=2, moe_second_expert_policy="all", moe_router_bias_update_rate=0.01)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graphed_moe_layers_on_cuda_train_like_the_layers(compiled):
+    """Dense and MoE layers captured in bf16 (the MoE layer with its auxiliary-loss gradients as static
+    inputs and its losses and statistics as static outputs) train as without graphs: losses, the first
+    update's gradients and the MoE figures of every micro-batch. The first forward (the capture's, its
+    warm-up passes included) counts the expert loads of that batch alone."""
+    d = dictionary()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = [[torch.randint(d.nspecial, len(d), (8, 65), device="cuda", generator=g) for _ in range(2)]
+            for _ in range(4)]
+    plain = lm(1, ts_compile=compiled, **MOE).bfloat16()
+    model = lm(1, ts_compile=compiled, ts_cuda_graphs=True, **MOE).bfloat16()
+    replays = counted(model)
+    loads = []
+    for m in (plain, model):
+        layers = [layer for layer in m.modules() if isinstance(layer, MoELayer)]
+        set_aux_loss_scale(layers, aux_loss_scales([8 * 64], [False], 0.1, 0.01, 1.0, torch.device("cuda"))[0])
+        m(data[0][0][:, :-1])
+        set_aux_loss_scale(layers, None)
+        loads.append([layer.expert_load.clone() for layer in layers])
+        discard_expert_loads(m)
+    assert len(replays) == DIMS["decoder_layers"] and loads[0] and all(map(torch.equal, *loads))
+    plain_losses, plain_figures, plain_grads = train_lm(plain, data, lr=1e-3)
+    losses, figures, grads = train_lm(model, data, lr=1e-3)
+    assert len(replays) == (1 + 4 * 2) * DIMS["decoder_layers"]
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=2e-3, atol=0)
+    for got, want in zip(grads, plain_grads):
+        assert float((got - want).float().norm()) <= 2e-2 * float(want.float().norm()) + 1e-6
+    for logged, want in zip(figures, plain_figures):
+        assert logged.keys() == want.keys() and logged == pytest.approx(want, rel=1e-2, abs=1e-4)
 
 
 def test_graphed_dropout_draws_new_masks_at_every_replay():

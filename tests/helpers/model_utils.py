@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from fairseq.data import Dictionary
 
 import torchscale_fairseq  # noqa: F401  (registers the models)
+from torchscale_fairseq.criterions.moe_terms import moe_figures
 from torchscale_fairseq.models.lm import TsLanguageModel
 from torchscale_fairseq.models.mlm import TsMaskedLMModel
 from torchscale_fairseq.models.transformer import TsTransformerModel
+from torchscale_fairseq.modules.moe.aux_loss import aux_loss_scales, set_aux_loss_scale
+from torchscale_fairseq.modules.moe.layer import MoELayer, update_expert_biases
 
 
 class FakeTask:
@@ -41,3 +45,34 @@ def args(**overrides: Any) -> argparse.Namespace:
 def build(kind: str, d: Dictionary = None, **overrides: Any):
     cls = {"lm": TsLanguageModel, "mt": TsTransformerModel, "mlm": TsMaskedLMModel}[kind]
     return cls.build_model(args(**overrides), FakeTask(d or dictionary()))
+
+
+def train_lm(model, updates: list[list[torch.Tensor]], lr: float) -> tuple[list[float], list[dict], list[torch.Tensor]]:
+    """Adam over ``updates``, each a list of token batches whose gradients accumulate (``--update-freq``):
+    per update the summed cross-entropy (in fp32), per micro-batch its MoE figures, and the first update's
+    gradients. As the trainer does, the MoE layers' auxiliary-loss gradients are set before each
+    micro-batch (``w`` 0.1, ``w_z`` 0.01, the target tokens as sample size) and the expert biases move
+    after each update; the figures are read as the criterion reads them."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    losses, figures, first_grads = [], [], []
+    for micro_batches in updates:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        sizes = [tokens[:, 1:].numel() for tokens in micro_batches]
+        scales = aux_loss_scales(sizes, [False] * len(sizes), 0.1, 0.01, 1.0, micro_batches[0].device)
+        for tokens, scale in zip(micro_batches, scales):
+            set_aux_loss_scale(moe_layers, scale)
+            logits, extra = model(tokens[:, :-1])
+            moe_figures(extra["moe"], scale.sample_size, logged := {})
+            figures.append(logged)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            total += float(loss)
+        set_aux_loss_scale(moe_layers, None)
+        if not first_grads:
+            first_grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        opt.step()
+        update_expert_biases(model, None)
+        losses.append(total)
+    return losses, figures, first_grads

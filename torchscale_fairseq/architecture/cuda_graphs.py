@@ -11,6 +11,12 @@ bias or memory. A replay overwrites its static buffers, gradients included, and 
 a static gradient as a parameter's ``.grad``; so before the graphs run again with gradients
 already accumulated (``--update-freq`` > 1), those gradients are copied out. The pool keeps one
 batch's activations and gradients for the whole run; a batch of another shape allocates its own.
+
+An MoE layer (expert-parallel size 1, grouped expert GEMMs: its forward reads nothing on the host)
+is captured with its auxiliary losses: its micro-batch's :class:`~torchscale_fairseq.modules.moe.
+aux_loss.AuxLossScale` gradients are static inputs copied in at each replay, and its balance loss,
+router z-loss and routing statistics are static outputs, read by the criterion in the micro-batch's
+forward (the next replay overwrites them). The warm-up passes of the capture count no expert loads.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from dataclasses import fields, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,22 +32,43 @@ import torch.nn as nn
 
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.modules.moe.balance import MoEAux, RoutingStats
+from torchscale_fairseq.modules.moe.layer import MoELayer
 
 logger = logging.getLogger(__name__)
 
 Capture = Callable[[tuple[nn.Module, ...], tuple[tuple[torch.Tensor, ...], ...]], tuple[nn.Module, ...]]
 
 
+def moe_layer(layer: nn.Module) -> Optional[MoELayer]:
+    """The MoE FFN of a transformer layer (``None``: a dense one)."""
+    ffn = getattr(layer, "ffn", None)
+    return ffn if isinstance(ffn, MoELayer) else None
+
+
 class LayerStep(nn.Module):
     """What is captured of one layer: ``x -> layer(x, causal=True)[0]`` (a causal layer without
-    masks, bias or memory)."""
+    masks, bias or memory). An MoE layer's step is ``(x, balance, z) -> (y, balance_loss, z_loss,
+    *routing statistics)``: ``balance`` and ``z`` the gradients of its auxiliary losses
+    (:class:`~torchscale_fairseq.modules.moe.aux_loss.AuxLossScale`), the losses and statistics
+    detached (their gradients reach the router through ``y``'s backward, ``MoEAuxLossAutoScaler``)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, causal=True)[0]
+    def forward(self, x: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        moe = moe_layer(self.layer)
+        if moe is None:
+            return self.layer(x, causal=True)[0]
+        outer = moe.aux_loss_scale
+        moe.aux_loss_scale = replace(outer, balance=scale[0], z=scale[1])
+        try:
+            y, aux = self.layer(x, causal=True)
+        finally:
+            moe.aux_loss_scale = outer
+        stats = (getattr(aux.stats, field.name) for field in fields(RoutingStats))
+        return (y, *(t.detach() for t in (aux.balance_loss, aux.z_loss, *stats)))
 
 
 def make_graphed_layers(steps: tuple[nn.Module, ...], samples: tuple[tuple[torch.Tensor, ...], ...]
@@ -48,7 +76,17 @@ def make_graphed_layers(steps: tuple[nn.Module, ...], samples: tuple[tuple[torch
     """``torch.cuda.make_graphed_callables`` over the layers in one pool (unused parameters allowed),
     capturing in ``thread_local`` error mode: fairseq's loader threads pin the next batches meanwhile,
     which the default ``global`` mode turns into a failed capture. ``make_graphed_callables`` takes
-    the mode from PyTorch PR 188832 (July 2026) on; before it, its ``torch.cuda.graph`` is given it."""
+    the mode from PyTorch PR 188832 (July 2026) on; before it, its ``torch.cuda.graph`` is given it.
+    An MoE layer whose experts run one GEMM per expert (they read their row counts on the host) is
+    refused in one line."""
+    for step, (x, *_) in zip(steps, samples):
+        moe = moe_layer(step.layer)
+        if moe is not None and not moe.experts.runs_grouped(x):
+            raise TsConfigError(
+                f"--ts-cuda-graphs captures MoE layers whose experts run grouped GEMMs (torch._grouped_mm: a GPU of "
+                f"compute capability 9.0 or more, --bf16, expert widths multiple of 8), and layer {moe.tag!r} runs one "
+                f"GEMM per expert on {x.device.type} in {str(x.dtype).removeprefix('torch.')}, which reads its row "
+                "counts on the host: train in bf16 on such a GPU or drop --ts-cuda-graphs")
     if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
         return torch.cuda.make_graphed_callables(steps, samples, allow_unused_input=True,
                                                  capture_error_mode="thread_local")
@@ -65,8 +103,6 @@ def check_graphable(cfg: StackConfig) -> None:
     trained with graphs passed, so its checkpoint builds anywhere: the run's own limits are the
     trainer's, :func:`~torchscale_fairseq.integration.host_overhead.check_cuda_graphs`)."""
     clashes = [
-        (cfg.moe is not None, "does not capture MoE layers (their routing statistics leave the layer every step): "
-                              "drop the flag or --moe-expert-count"),
         (cfg.checkpoint_activations or cfg.selective_recompute,
          "cannot capture --checkpoint-activations' recomputation: drop one of the two flags"),
         (cfg.rel_pos_buckets > 0, "captures layers without a position bias: use --xpos or --rel-pos-buckets 0"),
@@ -95,17 +131,18 @@ class GraphedLayers:
         """A copy of the model (``--ema``) captures its own graphs if it ever trains."""
         return GraphedLayers(self.capture, self.dynamic_batch)
 
-    def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The stack's output through the graphs, or ``None`` where they do not apply (the caller then
-        runs the layers). The caller has checked that the batch has no masks, bias or memory."""
+    def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor
+                 ) -> Optional[tuple[torch.Tensor, list[MoEAux]]]:
+        """The stack's output through the graphs and its MoE layers' auxiliary outputs, or ``None``
+        where the graphs do not apply (the caller then runs the layers). The caller has checked that
+        the batch has no masks, bias or memory."""
         if not (torch.is_grad_enabled() and all(layer.training for layer in layers)):
             return None
+        moes = [moe_layer(layer) for layer in layers]
+        if any(moe is not None and moe.aux_loss_scale is None for moe in moes):
+            return None  # a forward outside the trainer's step: no auxiliary-loss gradients to replay
         if self.shape is None:
-            self.steps = self.capture(tuple(LayerStep(layer) for layer in layers),
-                                      tuple((self._sample(x, i),) for i in range(len(layers))))
-            self.shape, self.layers = x.shape, tuple(layers)
-            self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-            logger.info("--ts-cuda-graphs: %d layers captured at input shape %s", len(layers), tuple(x.shape))
+            self._capture(layers, moes, x)
         elif len(layers) != len(self.layers) or any(a is not b for a, b in zip(layers, self.layers)):
             return None
         elif x.shape != self.shape:
@@ -118,9 +155,29 @@ class GraphedLayers:
             if p.grad is not None and self.copied.get(p) != p.grad.data_ptr():
                 p.grad = p.grad.clone()
                 self.copied[p] = p.grad.data_ptr()
-        for step in self.steps:
-            x = step(x)
-        return x
+        aux = []
+        for step, moe in zip(self.steps, moes):
+            if moe is None:
+                x = step(x)
+                continue
+            scale = moe.aux_loss_scale
+            x, balance_loss, z_loss, *stats = step(x, scale.balance, scale.z)
+            aux.append(MoEAux(balance_loss, z_loss, RoutingStats(*stats), scale, moe.tag))
+        return x, aux
+
+    def _capture(self, layers: Sequence[nn.Module], moes: list[Optional[MoELayer]], x: torch.Tensor) -> None:
+        """Capture the layers at ``x``'s shape; the capture's warm-up passes leave the expert loads as they were."""
+        loads = [(moe.expert_load, moe.expert_load.clone()) for moe in moes
+                 if moe is not None and moe.expert_load is not None]
+        samples = tuple((self._sample(x, i),) if moe is None else
+                        (self._sample(x, i), moe.aux_loss_scale.balance.clone(), moe.aux_loss_scale.z.clone())
+                        for i, moe in enumerate(moes))
+        self.steps = self.capture(tuple(LayerStep(layer) for layer in layers), samples)
+        for load, before in loads:
+            load.copy_(before)
+        self.shape, self.layers = x.shape, tuple(layers)
+        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        logger.info("--ts-cuda-graphs: %d layers captured at input shape %s", len(layers), tuple(x.shape))
 
     def _sample(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """Layer ``i``'s static input: a copy of ``x`` (every layer's after the first needs a gradient)."""

@@ -194,7 +194,8 @@ class TransformerDecoder(FairseqIncrementalDecoder, PipelineStage):
                 t is None for t in (padding_mask, attn_mask, bias, memory, ring_documents)):
             graphed = self.cuda_graphs(layers, x)
             if graphed is not None:
-                x, layers = graphed, []
+                (x, graphed_moe), layers = graphed, []
+                moe.extend(graphed_moe)
         for layer in layers:
             x, aux = layer(
                 x, padding_mask=padding_mask, causal=True, self_attn_bias=bias, memory=memory,

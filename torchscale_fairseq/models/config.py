@@ -234,7 +234,8 @@ class TsLanguageModelConfig(TsCommonConfig, TsDecoderConfig, TsOutputConfig, TsP
     ts_cuda_graphs: bool = field(default=False, metadata={
         "help": "capture the decoder layers' forward and backward in CUDA graphs at the first training batch's shape "
                 "and replay them (a graph launch per layer and direction; other shapes and masked batches run as "
-                "usual); one GPU, dense layers, no activation checkpointing or --amp"})
+                "usual); one GPU, MoE layers with grouped expert GEMMs (bf16 on Hopper), no activation checkpointing "
+                "or --amp"})
     tokens_per_sample: int = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
 
