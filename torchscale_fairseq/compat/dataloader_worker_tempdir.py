@@ -10,37 +10,43 @@ worker's finalisers, which remove the directory, never run (the symptom of Oasis
 issue 363). Stock fairseq 0.12.2 and fairseq-fixed 0.12.3.1 with torch 2.x, Python 3.10-3.13.
 
 Fix: the process that starts the workers creates its own multiprocessing temporary directory first;
-a forked worker inherits it (``BaseProcess._config``) and puts its sockets there, and the starting
-process, which exits normally, removes the directory with whatever is left in it.
+a worker inherits it (``BaseProcess._config``, under every start method) and puts its sockets there,
+and the starting process, which exits normally, removes the directory with whatever is left in it.
 
 Also refused in one line: a ``$TMPDIR`` so long that a worker's socket path exceeds what a Unix
-socket address holds (107 bytes on Linux, 103 on macOS). The worker's bind then fails in its queue's
-feeder thread ("OSError: AF_UNIX path too long", e.g. hzi-bifo/RiboDetector issue 57), no batch ever
-arrives, and the trainer waits forever.
+socket address holds (107 bytes on Linux, 103 elsewhere). The worker's bind then fails in its
+queue's feeder thread ("OSError: AF_UNIX path too long", e.g. hzi-bifo/RiboDetector issue 57), no
+batch ever arrives, and the trainer waits forever. (Pythons with CPython gh-132124 fall back to
+``/tmp`` themselves and name the sockets differently: the check reads both from multiprocessing.)
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import multiprocessing.util
 import os
 import sys
-import tempfile
 
 import torch.multiprocessing
 from torch.utils.data import dataloader
 
 from torchscale_fairseq.errors import TsConfigError
 
-SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" else 107  # sizeof(sun_path) - 1
-# a worker's socket in the temporary directory: multiprocessing.util.get_temp_dir's directory and
-# multiprocessing.connection.arbitrary_address's name, each with 8 random characters
-WORKER_SOCKET = os.path.join("pymp-XXXXXXXX", "listener-XXXXXXXX")
+SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103  # sizeof(sun_path) - 1
+
+_stock_get_iterator = dataloader.DataLoader._get_iterator
 
 
-def check_worker_socket_path(tmpdir: str) -> None:
-    """Raise :class:`TsConfigError` if a worker's socket under ``tmpdir`` (``$TMPDIR``) would not bind."""
-    path = os.fsencode(os.path.join(tmpdir, WORKER_SOCKET))
+def worker_socket_path(directory: str) -> str:
+    """A path of the form multiprocessing gives a worker's socket in ``directory``."""
+    return os.path.join(directory, os.path.basename(multiprocessing.connection.arbitrary_address("AF_UNIX")))
+
+
+def check_worker_socket_path(directory: str) -> None:
+    """Raise :class:`TsConfigError` if a worker's socket in ``directory`` (``$TMPDIR/pymp-*``) would not bind."""
+    path = os.fsencode(worker_socket_path(directory))
     if len(path) > SOCKET_PATH_BYTES:
+        tmpdir = os.path.dirname(directory)
         room = SOCKET_PATH_BYTES - (len(path) - len(os.fsencode(tmpdir)))
         raise TsConfigError(
             f"the data loader's workers would put their sockets in the temporary directory {tmpdir}, whose socket "
@@ -48,16 +54,15 @@ def check_worker_socket_path(tmpdir: str) -> None:
             f"forever for its first batch): set TMPDIR to a directory of at most {room} bytes, or use --num-workers 0")
 
 
-class WorkerTempdirDataLoaderIter(dataloader._MultiProcessingDataLoaderIter):
-    """PyTorch's multi-process DataLoader iterator, whose workers use the starting process's
-    multiprocessing temporary directory."""
-
-    def __init__(self, loader: dataloader.DataLoader) -> None:
+def get_iterator(loader: dataloader.DataLoader) -> dataloader._BaseDataLoaderIter:
+    """``DataLoader._get_iterator``, the multiprocessing temporary directory created (and checked) first
+    where the loader starts workers."""
+    if loader.num_workers > 0:
+        directory = multiprocessing.util.get_temp_dir()
         if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
-            check_worker_socket_path(tempfile.gettempdir())
-        multiprocessing.util.get_temp_dir()
-        super().__init__(loader)
+            check_worker_socket_path(directory)
+    return _stock_get_iterator(loader)
 
 
 def patch_dataloader_worker_tempdir() -> None:
-    dataloader._MultiProcessingDataLoaderIter = WorkerTempdirDataLoaderIter
+    dataloader.DataLoader._get_iterator = get_iterator
