@@ -234,16 +234,23 @@ def test_the_refusals_name_what_is_not_captured(lm_data, tmp_path):
     assert last_error_line(proc).endswith("--ts-cuda-graphs needs a CUDA device and this run is on the CPU: drop the flag")
 
     def cfg(common=None, task=None, **model):
-        return OmegaConf.create({"common": {"amp": False, **(common or {})}, "task": task or {}, "model": model})
+        return OmegaConf.create({"common": {"amp": False, "bf16": False, **(common or {})}, "task": task or {},
+                                 "model": model})
 
-    check_cuda_graphs(cfg(), 1, cuda=True)
-    check_cuda_graphs(cfg(fp8="none"), 1, cuda=True)
+    hopper, ampere = (9, 0), (8, 0)
+    check_cuda_graphs(cfg(), 1, hopper)
+    check_cuda_graphs(cfg(fp8="none"), 1, ampere)
+    check_cuda_graphs(cfg(common={"bf16": True}, moe_expert_count=4), 1, hopper)
     refused = [
-        (lambda: check_cuda_graphs(cfg(common={"amp": True}), 1, cuda=True), "cannot replay --amp's autocast"),
-        (lambda: check_cuda_graphs(cfg(), 2, cuda=True), "runs on one GPU for now (this run has 2 ranks)"),
-        (lambda: check_cuda_graphs(cfg(task={"document_masking": True}), 1, cuda=True),
+        (lambda: check_cuda_graphs(cfg(common={"amp": True}), 1, hopper), "cannot replay --amp's autocast"),
+        (lambda: check_cuda_graphs(cfg(), 2, hopper), "runs on one GPU for now (this run has 2 ranks)"),
+        (lambda: check_cuda_graphs(cfg(task={"document_masking": True}), 1, hopper),
          "drop --document-masking or the flag"),
-        (lambda: check_cuda_graphs(cfg(fp8="rowwise"), 1, cuda=True), "--ts-cuda-graphs and --fp8 have not been tested"),
+        (lambda: check_cuda_graphs(cfg(fp8="rowwise"), 1, hopper), "--ts-cuda-graphs and --fp8 have not been tested"),
+        (lambda: check_cuda_graphs(cfg(moe_expert_count=4), 1, hopper),
+         "captures MoE layers whose experts run grouped GEMMs, in bf16: add --bf16 or drop the flag"),
+        (lambda: check_cuda_graphs(cfg(common={"bf16": True}, moe_expert_count=4), 1, ampere),
+         "which need a GPU of compute capability 9.0 or more (this one: 8.0): drop the flag"),
         (lambda: graphed_lm(checkpoint_activations="full"), "cannot capture --checkpoint-activations' recomputation"),
         (lambda: graphed_lm(checkpoint_activations="selective"), "cannot capture --checkpoint-activations'"),
         (lambda: graphed_lm(rel_pos_buckets=32), "use --xpos or --rel-pos-buckets 0"),

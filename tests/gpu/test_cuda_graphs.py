@@ -53,23 +53,30 @@ def test_graphed_layers_on_cuda_train_like_the_layers(compiled):
         assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-7
 
 
-# every other layer MoE, experts as grouped GEMMs in bf16 (a capture needs them), an aux-loss-free router
-# bias; a deterministic second expert, as the capture's warm-up draws random numbers
-MOE = dict(moe_expert_count=8, moe_freq=2, moe_second_expert_policy="all", moe_router_bias_update_rate=0.01)
+# every other layer MoE, experts as grouped GEMMs in bf16 (a capture needs them); a deterministic second
+# expert, as the capture's warm-up draws random numbers
+MOE = dict(moe_expert_count=8, moe_freq=2, moe_second_expert_policy="all")
+MOE_VARIANTS = {
+    "eager": dict(moe_router_bias_update_rate=0.01),  # an aux-loss-free router bias: expert loads counted
+    "compiled_routing": dict(moe_compiled_routing="on"),
+    "ts_compile": dict(ts_compile=True, moe_router_bias_update_rate=0.01),
+    "expert_choice": dict(moe_router="expert_choice"),
+}
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_graphed_moe_layers_on_cuda_train_like_the_layers(compiled):
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_graphed_moe_layers_on_cuda_train_like_the_layers(variant):
     """Dense and MoE layers captured in bf16 (the MoE layer with its auxiliary-loss gradients as static
-    inputs and its losses and statistics as static outputs) train as without graphs: losses, the first
-    update's gradients and the MoE figures of every micro-batch. The first forward (the capture's, its
-    warm-up passes included) counts the expert loads of that batch alone."""
+    inputs, different for an ignored micro-batch, and its losses and statistics as static outputs) train as
+    without graphs: losses, the first update's gradients and the MoE figures of every micro-batch. The
+    first forward (the capture's, its warm-up passes included) counts the expert loads of that batch alone."""
     d = dictionary()
     g = torch.Generator(device="cuda").manual_seed(0)
     data = [[torch.randint(d.nspecial, len(d), (8, 65), device="cuda", generator=g) for _ in range(2)]
             for _ in range(4)]
-    plain = lm(1, ts_compile=compiled, **MOE).bfloat16()
-    model = lm(1, ts_compile=compiled, ts_cuda_graphs=True, **MOE).bfloat16()
+    flags = {**MOE, **MOE_VARIANTS[variant]}
+    plain = lm(1, **flags).bfloat16()
+    model = lm(1, ts_cuda_graphs=True, **flags).bfloat16()
     replays = counted(model)
     loads = []
     for m in (plain, model):
@@ -77,9 +84,10 @@ def test_graphed_moe_layers_on_cuda_train_like_the_layers(compiled):
         set_aux_loss_scale(layers, aux_loss_scales([8 * 64], [False], 0.1, 0.01, 1.0, torch.device("cuda"))[0])
         m(data[0][0][:, :-1])
         set_aux_loss_scale(layers, None)
-        loads.append([layer.expert_load.clone() for layer in layers])
+        loads.append([layer.expert_load.clone() for layer in layers if layer.expert_load is not None])
         discard_expert_loads(m)
-    assert len(replays) == DIMS["decoder_layers"] and loads[0] and all(map(torch.equal, *loads))
+    assert len(replays) == DIMS["decoder_layers"] and all(map(torch.equal, *loads))
+    assert bool(loads[0]) == ("moe_router_bias_update_rate" in flags)
     plain_losses, plain_figures, plain_grads = train_lm(plain, data, lr=1e-3)
     losses, figures, grads = train_lm(model, data, lr=1e-3)
     assert len(replays) == (1 + 4 * 2) * DIMS["decoder_layers"]
@@ -89,6 +97,21 @@ def test_graphed_moe_layers_on_cuda_train_like_the_layers(compiled):
         assert float((got - want).float().norm()) <= 2e-2 * float(want.float().norm()) + 1e-6
     for logged, want in zip(figures, plain_figures):
         assert logged.keys() == want.keys() and logged == pytest.approx(want, rel=1e-2, abs=1e-4)
+
+
+def test_graphed_moe_layers_draw_new_second_experts_at_every_replay():
+    """The random second-expert policies (``random``, ``sampling``: a Gumbel draw) run captured and draw
+    anew at every replay: the same batch routes differently twice."""
+    d = dictionary()
+    tokens = torch.randint(d.nspecial, len(d), (8, 64), device="cuda")
+    for policy in ("random", "sampling"):
+        model = lm(3, ts_cuda_graphs=True, **{**MOE, "moe_second_expert_policy": policy}).bfloat16()
+        replays = counted(model)
+        layers = [layer for layer in model.modules() if isinstance(layer, MoELayer)]
+        set_aux_loss_scale(layers, aux_loss_scales([8 * 64], [False], 0.1, 0.01, 1.0, torch.device("cuda"))[0])
+        outs = [model(tokens)[0].float() for _ in range(3)]
+        assert len(replays) == 3 * DIMS["decoder_layers"], policy
+        assert all(torch.isfinite(out).all() for out in outs) and not torch.equal(outs[1], outs[2]), policy
 
 
 def test_graphed_dropout_draws_new_masks_at_every_replay():

@@ -51,8 +51,9 @@ def train_lm(model, updates: list[list[torch.Tensor]], lr: float) -> tuple[list[
     """Adam over ``updates``, each a list of token batches whose gradients accumulate (``--update-freq``):
     per update the summed cross-entropy (in fp32), per micro-batch its MoE figures, and the first update's
     gradients. As the trainer does, the MoE layers' auxiliary-loss gradients are set before each
-    micro-batch (``w`` 0.1, ``w_z`` 0.01, the target tokens as sample size) and the expert biases move
-    after each update; the figures are read as the criterion reads them."""
+    micro-batch (``w`` 0.1, ``w_z`` 0.01, the target tokens as sample size; every second micro-batch of
+    an update ignored, as fairseq's dummy batch is: its scales 0) and the expert biases move after each
+    update; the figures are read as the criterion reads them."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     losses, figures, first_grads = [], [], []
@@ -60,7 +61,8 @@ def train_lm(model, updates: list[list[torch.Tensor]], lr: float) -> tuple[list[
         opt.zero_grad(set_to_none=True)
         total = 0.0
         sizes = [tokens[:, 1:].numel() for tokens in micro_batches]
-        scales = aux_loss_scales(sizes, [False] * len(sizes), 0.1, 0.01, 1.0, micro_batches[0].device)
+        ignored = [i % 2 == 1 for i in range(len(sizes))]
+        scales = aux_loss_scales(sizes, ignored, 0.1, 0.01, 1.0, micro_batches[0].device)
         for tokens, scale in zip(micro_batches, scales):
             set_aux_loss_scale(moe_layers, scale)
             logits, extra = model(tokens[:, :-1])

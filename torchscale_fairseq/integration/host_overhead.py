@@ -67,17 +67,24 @@ def check_sync_free_step(cfg: Any) -> None:
                             "them")
 
 
-def check_cuda_graphs(cfg: Any, world_size: int, cuda: bool) -> None:
+def check_cuda_graphs(cfg: Any, world_size: int, capability: tuple[int, int] | None) -> None:
     """``--ts-cuda-graphs``' one-line refusals of a training run (the model refuses what its layers
     cannot capture: :func:`~torchscale_fairseq.architecture.cuda_graphs.check_graphable`);
-    ``cuda``: whether the run trains on a CUDA device."""
+    ``capability``: the CUDA device's compute capability (``None``: the run is on the CPU). MoE
+    layers are captured with grouped expert GEMMs, which need bf16 on compute capability 9.0."""
+    moe = (getattr(cfg.model, "moe_expert_count", 0) or 0) > 0
+    bf16 = cfg.common.bf16 or getattr(cfg.common, "memory_efficient_bf16", False)
     clashes = [
-        (not cuda, "needs a CUDA device and this run is on the CPU: drop the flag"),
+        (capability is None, "needs a CUDA device and this run is on the CPU: drop the flag"),
         (cfg.common.amp, "cannot replay --amp's autocast (it caches casts across calls): use --bf16 or --fp16"),
         (world_size > 1, f"runs on one GPU for now (this run has {world_size} ranks): drop the flag"),
         (getattr(cfg.task, "document_masking", False),
          "captures layers without a document mask: drop --document-masking or the flag"),
         (getattr(cfg.model, "fp8", "none") != "none", "and --fp8 have not been tested together: drop one of the two"),
+        (moe and not bf16, "captures MoE layers whose experts run grouped GEMMs, in bf16: add --bf16 or drop the flag"),
+        (moe and capability is not None and tuple(capability) < (9, 0),
+         f"captures MoE layers whose experts run grouped GEMMs, which need a GPU of compute capability 9.0 or more "
+         f"(this one: {'.'.join(map(str, capability or ()))}): drop the flag"),
     ]
     why = next((why for clash, why in clashes if clash), None)
     if why is not None:

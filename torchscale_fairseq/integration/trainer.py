@@ -229,7 +229,8 @@ class TsTrainer(ScheduledTrainer):
         if self.sync_free:
             check_sync_free_step(cfg)
         if getattr(cfg.model, "ts_cuda_graphs", False):
-            check_cuda_graphs(cfg, self.parallel.world_size, torch.cuda.is_available() and not cfg.common.cpu)
+            cuda = torch.cuda.is_available() and not cfg.common.cpu
+            check_cuda_graphs(cfg, self.parallel.world_size, torch.cuda.get_device_capability() if cuda else None)
         check_zero_sharding(cfg, self.data_parallel_world_size)
         self.fully_sharded = cfg.distributed_training.zero_sharding == FULL
         check_fully_sharded(cfg, self.parallel.data_context_size, self.parallel.pipeline_size,

@@ -8,8 +8,9 @@ without ``output_size``). A CPU has no stream, so the test counts them where the
 a ``TorchDispatchMode`` sees the ops, a ``TorchFunctionMode`` the Python conversions.
 
 Budget of one forward and backward of ``ts_lm`` and ``moe_cross_entropy`` (top-2, capacity
-factor 1.25, no activation checkpointing, a batch with right padding), measured with 1 and with
-2 MoE layers so that the per-layer and the per-step parts are each checked:
+factor 1.25, the second expert as each ``--moe-second-expert-policy`` draws it, no activation
+checkpointing, a batch with right padding), measured with 1 and with 2 MoE layers so that the
+per-layer and the per-step parts are each checked:
 
 - per step: 2 (``int`` of the largest position, and the criterion's one read of its logged
   figures: gate and z-loss, every layer's load CV, dropped and routed assignments, entropy);
@@ -78,12 +79,12 @@ class HostConversions(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_syncs(data, moe_freq: int, experts: str) -> tuple[int, Counter]:
+def _step_syncs(data, moe_freq: int, experts: str, policy: str) -> tuple[int, Counter]:
     argv = [str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
             "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
             "--decoder-layers", "2", "--tokens-per-sample", "16", "--dropout", "0", "--criterion",
             "moe_cross_entropy", "--moe-expert-count", "4", "--moe-freq", str(moe_freq), "--moe-top-k", "2",
-            "--optimizer", "adam"]
+            "--moe-second-expert-policy", policy, "--optimizer", "adam"]
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
     task = tasks.setup_task(cfg.task)
     torch.manual_seed(0)
@@ -104,11 +105,12 @@ def _step_syncs(data, moe_freq: int, experts: str) -> tuple[int, Counter]:
     return layers, syncs.sites + conversions.sites
 
 
-@pytest.mark.parametrize("experts", sorted(PER_MOE_LAYER))
-def test_host_syncs_of_an_moe_step_within_budget(experts, lm_data):
+@pytest.mark.parametrize("experts, policy", [("grouped", "random"), ("grouped", "sampling"), ("grouped", "all"),
+                                             ("loop", "random")])
+def test_host_syncs_of_an_moe_step_within_budget(experts, policy, lm_data):
     counted = {}
     for moe_freq in (2, 1):
-        layers, sites = _step_syncs(lm_data, moe_freq, experts)
+        layers, sites = _step_syncs(lm_data, moe_freq, experts, policy)
         counted[layers] = sites
     assert sorted(counted) == [1, 2]
     one, two = (sum(counted[n].values()) for n in (1, 2))

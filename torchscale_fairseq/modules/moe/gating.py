@@ -147,9 +147,10 @@ def top_k_routing(
 
 def gumbel_second_expert(probs: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """``argmax_{e != first} (log p_e + G_e)``, ``G ~ Gumbel(0, 1)`` drawn as fairseq's
-    ``gumbel_rsample`` draws it (``torch.distributions.Gumbel(0, 1).rsample``)."""
+    ``gumbel_rsample`` draws it (``torch.distributions.Gumbel(0, 1).rsample``), without its argument
+    checks (they read the device tensors ``0`` and ``1`` on the host)."""
     zero = probs.new_zeros(())
-    noise = torch.distributions.Gumbel(zero, zero + 1.0).rsample(probs.shape)
+    noise = torch.distributions.Gumbel(zero, zero + 1.0, validate_args=False).rsample(probs.shape)
     noisy = probs.detach().log() + noise
     return noisy.scatter(1, first.unsqueeze(1), float("-inf")).argmax(dim=1)
 
@@ -171,5 +172,5 @@ def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: floa
     served[token] = True
     unserved = (~served).sum() if real is None else (real & ~served).sum()
     load = torch.full((num_experts,), float(capacity), device=probs.device)
-    return Routing(token, expert, slot, gate, kept, probs.argmax(dim=-1), real, load,
-                   torch.as_tensor(count, device=probs.device), unserved)
+    routed = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.long, device=probs.device)
+    return Routing(token, expert, slot, gate, kept, probs.argmax(dim=-1), real, load, routed, unserved)
