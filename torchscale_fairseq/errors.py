@@ -7,7 +7,9 @@ status 2; code that calls the plugin from Python gets a normal exception.
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import shutil
 import sys
 from typing import Optional
 
@@ -62,7 +64,16 @@ def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
     stream = sys.__stderr__ or sys.stderr
     stream.write(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {one_line(error)}\n")
     stream.flush()
+    _remove_multiprocessing_tempdir()
     os._exit(2)
+
+
+def _remove_multiprocessing_tempdir() -> None:
+    """What a normal exit's multiprocessing finaliser does and ``os._exit`` skips: remove this process's
+    multiprocessing temporary directory (``$TMPDIR/pymp-*``, the DataLoader workers' sockets), if it made one."""
+    tempdir = multiprocessing.process.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 def install_excepthook() -> None:

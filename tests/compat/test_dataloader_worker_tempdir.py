@@ -113,8 +113,8 @@ def test_fairseq_train_stopping_inside_an_epoch_leaves_no_directory(lm_data: Pat
 def test_a_tmpdir_too_long_for_the_workers_sockets_is_one_line(lm_data: Path, tmp_path: Path,
                                                               longest_tmpdir: str) -> None:
     """One byte more than the longest ``$TMPDIR``: one line naming it and the limit, instead of a run that
-    waits forever (the workers' sockets would not bind). A Python that moves such sockets to ``/tmp`` by
-    itself (CPython gh-132124) trains instead, and leaves nothing there."""
+    waits forever (the workers' sockets would not bind), and nothing left in it. A Python that moves such
+    sockets to ``/tmp`` by itself (CPython gh-132124) trains instead, and leaves nothing there either."""
     too_long = longest_tmpdir + "d"
     os.mkdir(too_long)
     where = subprocess.run([sys.executable, "-c", "import multiprocessing.util as u; print(u.get_temp_dir())"],
@@ -131,3 +131,4 @@ def test_a_tmpdir_too_long_for_the_workers_sockets_is_one_line(lm_data: Path, tm
         f"whose socket paths take {SOCKET_PATH_BYTES + 1} bytes, over the {SOCKET_PATH_BYTES} of a Unix socket address "
         f"(the run would wait forever for its first batch): set TMPDIR to a directory of at most "
         f"{len(longest_tmpdir)} bytes, or use --num-workers 0")
+    assert _leftovers(Path(too_long)) == []  # the one-line exit removes the directory the refusal made
