@@ -530,6 +530,15 @@ routing_plots() {  # table.md with the MoE columns (load CV, dropped fraction) a
       --metric "$m" --title "routing options, $m, 3 seeds (mean, min-max band)" >/dev/null
   done
 }
+nmt_plots() {  # section 4's runs.jsonl and curves
+  local runs=("$RUNS"/nmt_{dense,moe16}_s[0-9]*/) metric
+  mkdir -p "$RESULTS/nmt"
+  python experiments/aggregate.py "${runs[@]}" --runs-jsonl "$RESULTS/nmt/runs.jsonl"
+  for metric in valid_ppl routing_entropy; do
+    python experiments/aggregate.py "${runs[@]}" --metric "$metric" \
+      --plot "$RESULTS/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null
+  done
+}
 clip_plots() {
   AGG_METRICS="valid_ppl train_loss routing_entropy clipping gnorm gnorm_dense gnorm_expert" \
     agg_plots "$RESULTS/clip" "$RUNS"/clip_{sparse,vanilla}_s*/
@@ -537,7 +546,6 @@ clip_plots() {
 
 # The PNGs of docs/results.md (ts-plot-logs, one directory per experiment).
 plots() {
-  local out="$RESULTS"
   depth_plots
   stability_report
   deeper_plots
@@ -549,11 +557,7 @@ plots() {
   NMTDEEP_UPDATES=1500 nmtdeep_plots
   nmtdeep_control_table
   routing_plots
-  local metric
-  for metric in valid_ppl routing_entropy; do
-    python experiments/aggregate.py "$RUNS"/nmt_{dense,moe16}_s[0-9]*/ --metric "$metric" \
-      --plot "$out/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null
-  done
+  nmt_plots
 }
 
 case "${1:-all}" in
@@ -574,6 +578,7 @@ case "${1:-all}" in
   clip_run) clip_run "$2" "$3" ;;
   nmt) nmt ;;
   nmt_run) nmt_run "$2" "$3" ;;
+  nmt_plots) nmt_plots ;;
   nmtdeep) nmtdeep ;;
   nmtdeep_control) nmtdeep_control ;;
   nmtdeep_control_table) nmtdeep_control_table ;;
@@ -599,5 +604,5 @@ case "${1:-all}" in
   clipscale_plots) clipscale_plots ;;
   plots) plots ;;
   all) depth; stability; deeper; width; clip; clipscale; clipedge; nmt; nmtdeep; nmtdeep_control; nmtlong postln; nmtlong deepnorm; nmtlong magneto; source_use; source_use_timing; nmtwarm; routing; plots ;;
-  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtdeep_control|nmtdeep_control_table|nmtlong BACKBONE|nmtdeep_plots|nmtwarm|nmtwarm_run BACKBONE SEED|nmtwarm_measure RUN_NAME|nmtwarm_report|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
+  *) echo "usage: $0 prep|depth|depth_run BACKBONE LAYERS [SEED]|depth_plots|stability|stability_report|stability_search|deeper|deeper_plots|width|width_run CONFIG SEED|width_plots|clip|clip_run CONFIG SEED|clip_plots|clipscale|clipscale_plots|clipedge|clipedge_run CONFIG SEED|clipedge_plots|nmt|nmt_run CONFIG SEED|nmt_plots|nmtdeep|nmtdeep_run BACKBONE SEED [LAYERS [LR]]|nmtdeep_control|nmtdeep_control_table|nmtlong BACKBONE|nmtdeep_plots|nmtwarm|nmtwarm_run BACKBONE SEED|nmtwarm_measure RUN_NAME|nmtwarm_report|source_use|source_use_timing|routing|routing_run CONFIG SEED|routing_plots|routing_early|plots|all" >&2; exit 2 ;;
 esac

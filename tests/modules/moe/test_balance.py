@@ -55,3 +55,26 @@ def test_padding_excluded_from_loss_stats_and_output(router):
     assert torch.equal(y_pad[:, 5:], torch.zeros_like(y_pad[:, 5:]))
     probs = torch.softmax(layer.router(real.reshape(-1, 8)), -1)
     assert float(aux_pad.balance_loss) == pytest.approx(float(balance_loss(probs, probs.argmax(-1))), abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_padding_takes_no_capacity_slot(top_k):
+    """With a binding capacity (factor 1.25, some assignments dropped) a padded batch routes its
+    real tokens as the same tokens without the padding would: padding, left or right, takes no
+    expert slot and no share of the capacity."""
+    torch.manual_seed(0)  # a draw where both top-1 and top-2 drop assignments
+    layer = MoELayer(MoEConfig(expert_count=4, top_k=top_k, router="xmoe", capacity_factor=1.25,
+                               second_expert_policy="all"), FFNSpec(8, 16))
+    x = torch.randn(3, 12, 8)
+    mask = torch.zeros(3, 12, dtype=torch.bool)
+    mask[0, :4] = True  # left padding (a fairseq source)
+    mask[1, 9:] = True  # right padding (a target)
+    x[mask] = torch.randn(int(mask.sum()), 8) * 10
+    y_pad, aux_pad = layer(x, mask)
+    y_real, aux_real = layer(x[~mask].unsqueeze(0))
+    assert int(aux_real.stats.dropped) > 0  # the capacity binds
+    assert int(aux_pad.stats.dropped) == int(aux_real.stats.dropped)
+    assert int(aux_pad.stats.tokens) == int(aux_real.stats.tokens) == int((~mask).sum())
+    assert float(aux_pad.balance_loss) == pytest.approx(float(aux_real.balance_loss), abs=1e-6)
+    assert torch.allclose(y_pad[~mask], y_real[0], atol=1e-6)
+    assert torch.equal(y_pad[mask], torch.zeros_like(y_pad[mask]))
