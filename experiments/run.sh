@@ -533,7 +533,7 @@ routing_plots() {  # table.md with the MoE columns (load CV, dropped fraction) a
 nmt_plots() {  # section 4's runs.jsonl and curves
   local runs=("$RUNS"/nmt_{dense,moe16}_s[0-9]*/) metric
   mkdir -p "$RESULTS/nmt"
-  python experiments/aggregate.py "${runs[@]}" --runs-jsonl "$RESULTS/nmt/runs.jsonl"
+  python experiments/aggregate.py --moe "${runs[@]}" --runs-jsonl "$RESULTS/nmt/runs.jsonl"
   for metric in valid_ppl routing_entropy; do
     python experiments/aggregate.py "${runs[@]}" --metric "$metric" \
       --plot "$RESULTS/nmt/$metric.png" --title "NMT: dense vs X-MoE top-1 (paper Fig. 2b), $metric" > /dev/null

@@ -74,6 +74,7 @@ def test_padding_takes_no_capacity_slot(top_k):
     y_real, aux_real = layer(x[~mask].unsqueeze(0))
     assert int(aux_real.stats.dropped) > 0  # the capacity binds
     assert int(aux_pad.stats.dropped) == int(aux_real.stats.dropped)
+    assert int(aux_pad.stats.routed) == int(aux_real.stats.routed)  # no slot given to padding
     assert int(aux_pad.stats.tokens) == int(aux_real.stats.tokens) == int((~mask).sum())
     assert float(aux_pad.balance_loss) == pytest.approx(float(aux_real.balance_loss), abs=1e-6)
     assert torch.allclose(y_pad[~mask], y_real[0], atol=1e-6)
