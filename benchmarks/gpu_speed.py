@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -299,6 +300,21 @@ def print_table(runs: dict) -> None:
         cells += [f"{r['between_steps_ms']:.1f}"]
         cells += [f"{prof['host_ranges_ms'][k]:.1f}" if prof else "-" for k in ranges]
         print(f"| {name} | {r['ms_per_update']:.1f} | " + " | ".join(cells) + " |")
+    print("\n| run | update interval median / max ms (update) | compile events | cudaMalloc / cudaFree / retries "
+          "| peak allocated / reserved GB | gc ms (collections) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in runs.items():
+        w = r.get("window_detail")
+        if not w or not w["intervals_ms"]:
+            print(f"| {name} | - | - | - | - | - |")
+            continue
+        intervals = w["intervals_ms"]
+        slowest = max(range(len(intervals)), key=intervals.__getitem__)
+        a = w["allocator"]
+        compiles = ", ".join(f"{k} {v:.0f}" for k, v in w["compile_events"].items() if v) or "none"
+        print(f"| {name} | {statistics.median(intervals):.1f} / {intervals[slowest]:.1f} ({r['window'][0] + slowest}) "
+              f"| {compiles} | {a['num_device_alloc']:.0f} / {a['num_device_free']:.0f} / {a['num_alloc_retries']:.0f} "
+              f"| {w['peak_allocated_gb']:.1f} / {w['peak_reserved_gb']:.1f} | {w['gc_ms']:.1f} ({w['gc_runs']}) |")
 
 
 if __name__ == "__main__":

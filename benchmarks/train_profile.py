@@ -32,14 +32,21 @@ loop, the data iterator, logging, and what the plugin's trainer does around fair
 moving the expert biases). A step is device-bound where ``busy_ms`` is close to ``ms_per_update``,
 host-bound where ``host_ms + between_steps_ms`` is.
 
+What the window holds beyond its mean, ``window_detail`` (:class:`WindowWatch`), says why a window
+is slower than its profiled update: each update's host interval (start to next start; a one-off
+cost shows as one long interval), compilations in the window (dynamo's counters), the CUDA caching
+allocator's ``cudaMalloc`` / ``cudaFree`` calls and retries in the window (a retry frees cached
+blocks, which synchronises the device) and its peaks, and the cyclic garbage collector's time.
+
 The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
-profile's rows (ms and share of the step) and the 15 longest kernels.
+profile's rows (ms and share of the step), the 15 longest kernels and ``window_detail``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import re
 import sys
@@ -180,6 +187,63 @@ def sync_sites(cuda: bool):
         warnings.showwarning = previous
 
 
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+COMPILE_COUNTERS = ("frames", "aot_autograd", "inductor")
+
+
+def _compile_counts() -> dict[str, float]:
+    from torch._dynamo.utils import counters
+
+    return {c: float(sum(counters[c].values())) for c in COMPILE_COUNTERS}
+
+
+class WindowWatch:
+    """What happens inside the timed window besides the updates' own work: per-update host intervals,
+    compilations, the caching allocator's device calls and the garbage collector's pauses."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.starts: list[float] = []
+        self.gc_ms, self.gc_runs, self._gc_start = 0.0, 0, 0.0
+        self.on = False
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_ms += 1e3 * (time.perf_counter() - self._gc_start)
+            self.gc_runs += 1
+
+    def _allocator(self) -> dict[str, float]:
+        stats = torch.cuda.memory_stats() if self.cuda else {}
+        return {k: float(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+    def start(self) -> None:
+        self.on = True
+        self.compiles, self.alloc = _compile_counts(), self._allocator()
+
+    def update_started(self) -> None:
+        self.starts.append(time.perf_counter())
+
+    def stop(self) -> dict[str, Any]:
+        self.on = False
+        compiles, alloc = _compile_counts(), self._allocator()
+        stats = torch.cuda.memory_stats() if self.cuda else {}
+        intervals = [1e3 * (b - a) for a, b in zip(self.starts, self.starts[1:])]
+        return {
+            "intervals_ms": [round(x, 2) for x in intervals],
+            "compile_events": {k: compiles[k] - self.compiles[k] for k in COMPILE_COUNTERS},
+            "allocator": {k: alloc[k] - self.alloc[k] for k in ALLOCATOR_COUNTS},
+            "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+            "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "gc_ms": self.gc_ms,
+            "gc_runs": self.gc_runs,
+        }
+
+
 def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_per_update: int) -> None:
     """Time updates ``first``..``last`` (update k is the one that starts with ``get_num_updates() ==
     k - 1``), each with the loop after it: the window runs from update ``first``'s start to update
@@ -192,17 +256,22 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     marks: dict[str, float] = {}
     result: dict[str, Any] = {"tokens_per_update": tokens_per_update, "window": [first, last]}
+    watch = WindowWatch(cuda)
 
     def train_step(self, samples, raise_oom=False):
         update = self.get_num_updates() + 1
         if update == first:
             sync()
             marks["start"], marks["outside"] = time.perf_counter(), 0.0
+            watch.start()
         elif first < update <= last + 1:
             marks["outside"] += time.perf_counter() - marks["returned"]
+        if first <= update <= last + 1:
+            watch.update_started()
         if update == last + 1:
             sync()
             seconds, updates = time.perf_counter() - marks["start"], last - first + 1
+            result["window_detail"] = watch.stop()
             result["window_seconds"] = seconds
             result["tokens_per_s"] = tokens_per_update * updates / seconds
             result["ms_per_update"] = 1e3 * seconds / updates

@@ -44,3 +44,18 @@ def test_helpers_and_workers_live_in_their_own_folders() -> None:
 def test_workers_and_helpers_hold_no_tests() -> None:
     for folder in SUPPORT - {"doubles"}:
         assert not list((TESTS / folder).glob("test_*.py")), f"tests/{folder}/ holds test modules"
+
+
+def test_gpu_tests_name_workers_and_paths_that_exist() -> None:
+    """The GPU tests run only on a lent GPU, so a moved worker would fail there first: every path
+    constant of a ``tests/gpu`` module and every ``tests.workers.*`` module it launches exists."""
+    import importlib
+    import re
+
+    for module_path in sorted((TESTS / "gpu").glob("test_*.py")):
+        module = importlib.import_module(f"tests.gpu.{module_path.stem}")
+        for name, value in vars(module).items():
+            if isinstance(value, Path) and REPO in value.parents:
+                assert value.exists(), f"tests/gpu/{module_path.name}: {name} = {value} does not exist"
+        for worker in re.findall(r"tests\.workers\.(\w+)", module_path.read_text()):
+            assert (TESTS / "workers" / f"{worker}.py").exists(), f"tests/gpu/{module_path.name}: no tests/workers/{worker}.py"

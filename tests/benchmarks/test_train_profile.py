@@ -84,9 +84,11 @@ def test_host_time_is_the_step_less_its_waits():
 
 
 def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(tmp_path, monkeypatch):
-    """Updates 1-3 timed on a clock the test moves: 10 ms in each ``train_step`` and 25 ms of the
-    trainer's loop after it, so 35 ms per update of which 25 between steps; update 4 is profiled
-    (no CUDA here: its sync sites only) and closes the window."""
+    """Updates 1-3 timed on a clock the test moves: 10 ms in each ``train_step`` (50 ms in update 2,
+    which also runs one garbage collection) and 25 ms of the trainer's loop after it, so 145 ms in
+    the window of which 25 per update between steps, and the window's detail names update 2 as the
+    slow one; update 4 is profiled (no CUDA here: its sync sites only) and closes the window."""
+    import gc
     import json
 
     import fairseq.trainer
@@ -102,7 +104,9 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
             return self.updates
 
         def train_step(self, samples, raise_oom=False):
-            clock["now"] += 0.010
+            clock["now"] += 0.010 if self.updates != 1 else 0.050
+            if self.updates == 1:
+                gc.collect()
             self.updates += 1
 
     monkeypatch.setattr(fairseq.trainer, "Trainer", Trainer)
@@ -113,10 +117,14 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
         trainer.train_step(None)
         clock["now"] += 0.025
     got = json.loads(out.read_text())
-    assert got["ms_per_update"] == pytest.approx(35.0)
+    assert got["ms_per_update"] == pytest.approx(145.0 / 3)
     assert got["between_steps_ms"] == pytest.approx(25.0)
-    assert got["tokens_per_s"] == pytest.approx(900 / 0.105)
+    assert got["tokens_per_s"] == pytest.approx(900 / 0.145)
     assert got["window"] == [1, 3] and got["sync_sites"] == {}
+    detail = got["window_detail"]
+    assert detail["intervals_ms"] == pytest.approx([35.0, 75.0, 35.0])
+    assert detail["gc_runs"] >= 1  # update 2's collection (and any the interpreter ran meanwhile)
+    assert set(detail["compile_events"].values()) == {0.0} and set(detail["allocator"].values()) == {0.0}
 
 
 def test_a_real_cpu_run_finds_fairseqs_ranges_in_the_profiled_step(lm_data, tmp_path):

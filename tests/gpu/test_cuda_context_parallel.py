@@ -64,7 +64,7 @@ class _ThreadRing:
                 index = cp.context_parallel_indices(q.size(2), self.size, rank, q.device)
                 ctx = _Ctx()
                 local = [t[:, :, index].contiguous() for t in (q, k, v)]
-                out[:, :, index] = cp._RingAttention.forward(ctx, *local, None, ranks)
+                out[:, :, index] = cp._RingAttention.forward(ctx, *local, None, ranks, None)
                 for grad, g in zip(grads, cp._RingAttention.backward(ctx, dout[:, :, index].contiguous())):
                     grad[:, :, index] = g
             except BaseException as e:  # reported by the main thread

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.cli_utils import REPO, run, run_many
+from tests.helpers.cli_utils import REPO, WORKERS, run, run_many
 from tests.helpers.mp_helpers import run_worker_ranks
 from tests.helpers.rendezvous import rendezvous_url
 from tests.modules.moe.test_distributed import EXPERT_PARALLEL_EQUIVALENCE
@@ -24,7 +24,7 @@ from torchscale_fairseq.model_parallel.random import get_rng_tracker, model_para
 
 pytestmark = pytest.mark.gpu
 
-LAYER_WORKER = REPO / "tests" / "model_parallel" / "layer_worker.py"
+LAYER_WORKER = WORKERS / "layer_worker.py"
 
 
 def test_parallel_layers_on_cuda_equal_dense(tmp_path):

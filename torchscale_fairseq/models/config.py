@@ -313,7 +313,7 @@ def convert_fp8_from_args(model: nn.Module, args: Any) -> None:
     """``--fp8 RECIPE``: the model's eligible linear layers get FP8 GEMMs
     (:func:`~torchscale_fairseq.model_parallel.float8.convert_to_fp8`), refused in one line on a
     device without FP8 or without torchao; one log line names what was converted."""
-    recipe = getattr(args, "fp8", "none")
+    recipe = str(getattr(args, "fp8", "none"))  # fairseq's config holds a ChoiceEnum member, torchao takes the name
     if recipe == "none":
         return
     cuda = torch.cuda.is_available() and not getattr(args, "cpu", False)

@@ -168,8 +168,7 @@ def expert_choice_routing(probs: torch.Tensor, top_k: int, capacity_factor: floa
     slot = torch.arange(capacity, device=probs.device).unsqueeze(0).expand_as(token).reshape(-1)
     token, gate = token.reshape(-1), probs.t().gather(1, token.view(num_experts, -1)).reshape(-1)
     kept = torch.ones_like(token, dtype=torch.bool)
-    served = torch.zeros(num_tokens, dtype=torch.bool, device=probs.device)
-    served[token] = True
+    served = torch.zeros(num_tokens, dtype=torch.bool, device=probs.device).index_fill_(0, token, True)
     unserved = (~served).sum() if real is None else (real & ~served).sum()
     load = torch.full((num_experts,), float(capacity), device=probs.device)
     routed = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.long, device=probs.device)
