@@ -57,7 +57,7 @@ GRAPHS = "_cuda_graphs"  # the fast path with --ts-cuda-graphs: run name and met
 TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
            "fp8_gain_1p3b": 1.2}
 FP8_RUNS = {"1p3b_fp8": "tensorwise", "1p3b_fp8rw": "rowwise"}  # run name: --fp8 recipe, beside 1p3b_fast
-WINDOW, PROFILE = (11, 30), 31  # timed updates, then the profiled one
+WINDOW, HOST_PROFILE, PROFILE = (11, 30), 3, 34  # timed updates, updates under cProfile, the profiled one
 DEFAULT_DATA = REPO / "outputs" / "gpu_speed_data" / "data-bin"
 
 
@@ -91,7 +91,8 @@ def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int
                  timeout: int) -> dict | None:
     out = log_dir / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).with_name("train_profile.py")), "--time", f"{window[0]}:{window[1]}",
-           "--profile", str(profile), "--tokens", str(tokens), "--out", str(out), "--", *args,
+           "--host-profile", str(profile - window[1] - 1), "--profile", str(profile), "--tokens", str(tokens),
+           "--out", str(out), "--", *args,
            "--save-dir", str(log_dir / "checkpoints")]  # fairseq creates it even under --no-save
     start = time.time()
     try:
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     vocab = 500 if args.toy else GPT2_VOCAB
     configs = {"toy": ("2 64 2 128", 2)} if args.toy else CONFIGS
-    window, profile = ((2, 3), 4) if args.toy else (WINDOW, PROFILE)
+    window, profile = ((2, 3), 5) if args.toy else (WINDOW, PROFILE)
     tokens_needed = max(c[1] for c in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
     data = gpt2_sized_data(args.data.parent, tokens_needed, vocab) if not args.toy else \
         gpt2_sized_data(log_dir / "data", tokens_needed, vocab)
@@ -315,6 +316,12 @@ def print_table(runs: dict) -> None:
         print(f"| {name} | {statistics.median(intervals):.1f} / {intervals[slowest]:.1f} ({r['window'][0] + slowest}) "
               f"| {compiles} | {a['num_device_alloc']:.0f} / {a['num_device_free']:.0f} / {a['num_alloc_retries']:.0f} "
               f"| {w['peak_allocated_gb']:.1f} / {w['peak_reserved_gb']:.1f} | {w['gc_ms']:.1f} ({w['gc_runs']}) |")
+    for name, r in runs.items():
+        host = r.get("host_profile")
+        if host:
+            print(f"\n{name}: host time per update under cProfile {host['ms_per_update']:.1f} ms; own time (ms, calls):")
+            for f in host["top_tottime"][:10]:
+                print(f"  {f['ms']:7.2f} {f['calls']:7.1f}  {f['function'][:150]}")
 
 
 if __name__ == "__main__":

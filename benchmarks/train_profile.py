@@ -38,8 +38,15 @@ cost shows as one long interval), compilations in the window (dynamo's counters)
 allocator's ``cudaMalloc`` / ``cudaFree`` calls and retries in the window (a retry frees cached
 blocks, which synchronises the device) and its peaks, and the cyclic garbage collector's time.
 
+With ``--host-profile N`` the ``N`` updates after the window run under ``cProfile`` (before the
+profiled update): ``host_profile`` lists the Python functions where the host's time per update
+goes (own time and with callees), which says what a host-bound step spends its time on (on a GPU
+the launches, guards and wrappers around the kernels). ``cProfile`` slows Python-heavy code, so
+these updates are kept out of the window.
+
 The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
-profile's rows (ms and share of the step), the 15 longest kernels and ``window_detail``.
+profile's rows (ms and share of the step), the 15 longest kernels, ``window_detail`` and
+``host_profile``.
 """
 
 from __future__ import annotations
@@ -244,7 +251,19 @@ class WindowWatch:
         }
 
 
-def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_per_update: int) -> None:
+def host_functions(stats: Any, updates: int, key: str, top: int = 25) -> list[dict[str, Any]]:
+    """The ``top`` functions of a ``pstats.Stats`` by own time (``key`` "tottime") or with callees
+    ("cumtime"), in ms and calls per update."""
+    rows = []
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        where = f"{filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})"
+        rows.append({"function": where, "ms": 1e3 * (tottime if key == "tottime" else cumtime) / updates,
+                     "calls": calls / updates})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_per_update: int,
+                    host_profile: int = 0) -> None:
     """Time updates ``first``..``last`` (update k is the one that starts with ``get_num_updates() ==
     k - 1``), each with the loop after it: the window runs from update ``first``'s start to update
     ``last + 1``'s, the device synchronised at both ends only; profile update ``profile_at`` (after
@@ -276,7 +295,26 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
             result["tokens_per_s"] = tokens_per_update * updates / seconds
             result["ms_per_update"] = 1e3 * seconds / updates
             result["between_steps_ms"] = 1e3 * marks["outside"] / updates
-        if update != profile_at:
+        if last < update <= last + host_profile:
+            import cProfile
+            import pstats
+
+            if update == last + 1:
+                marks["host_profile"] = cProfile.Profile()
+            start = time.perf_counter()
+            marks["host_profile"].enable()
+            output = original(self, samples, raise_oom)
+            marks["host_profile"].disable()
+            marks["host_profiled_s"] = marks.get("host_profiled_s", 0.0) + time.perf_counter() - start
+            if update == last + host_profile:
+                stats = pstats.Stats(marks["host_profile"])
+                result["host_profile"] = {
+                    "updates": host_profile, "ms_per_update": 1e3 * marks["host_profiled_s"] / host_profile,
+                    "top_tottime": host_functions(stats, host_profile, "tottime"),
+                    "top_cumtime": host_functions(stats, host_profile, "cumtime"),
+                }
+            marks["returned"] = time.perf_counter()
+        elif update != profile_at:
             output = original(self, samples, raise_oom)
             marks["returned"] = time.perf_counter()
         else:
@@ -310,11 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, required=True, help="the update to profile (after the window)")
     p.add_argument("--tokens", type=int, required=True, help="tokens per update (batch x sequence)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--host-profile", type=int, default=0,
+                   help="run this many updates after the window under cProfile (before the profiled one)")
     args = p.parse_args(argv[:split])
     first, last = (int(x) for x in args.time.split(":"))
-    if not 1 <= first <= last < args.profile:
-        raise SystemExit(f"--time {args.time} --profile {args.profile}: need 1 <= first <= last < profile")
-    wrap_train_step(first, last, args.profile, args.out, args.tokens)
+    if not (1 <= first <= last and args.host_profile >= 0 and last + args.host_profile < args.profile):
+        raise SystemExit(f"--time {args.time} --host-profile {args.host_profile} --profile {args.profile}: need "
+                         "1 <= first <= last and last + host-profile < profile")
+    wrap_train_step(first, last, args.profile, args.out, args.tokens, args.host_profile)
     from fairseq_cli import train
 
     sys.argv = ["fairseq-train", *argv[split + 1:], "--max-update", str(args.profile)]

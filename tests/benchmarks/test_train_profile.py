@@ -151,3 +151,43 @@ def test_a_real_cpu_run_finds_fairseqs_ranges_in_the_profiled_step(lm_data, tmp_
     assert sum(ranges.values()) <= prof["host_ms"]
     assert got["ms_per_update"] == pytest.approx(got["window_seconds"] * 1e3 / 2)
     assert 0 < got["between_steps_ms"] < got["ms_per_update"]
+
+
+def test_the_updates_after_the_window_show_where_the_hosts_time_goes(tmp_path, monkeypatch):
+    """``host_profile`` (updates 3-4 here, after the window 1-2 and before the profiled update 5):
+    the functions the step called, per update, with the slowest first."""
+    import json
+
+    import fairseq.trainer
+    import train_profile
+
+    def slow_host_work():
+        return sum(i * i for i in range(200_000))
+
+    def fast_host_work():
+        return 0
+
+    class Trainer:
+        updates = 0
+
+        def get_num_updates(self):
+            return self.updates
+
+        def train_step(self, samples, raise_oom=False):
+            slow_host_work()
+            fast_host_work()
+            fast_host_work()
+            self.updates += 1
+
+    monkeypatch.setattr(fairseq.trainer, "Trainer", Trainer)
+    out = tmp_path / "run.json"
+    train_profile.wrap_train_step(1, 2, 5, out, tokens_per_update=10, host_profile=2)
+    trainer = Trainer()
+    for _ in range(5):
+        trainer.train_step(None)
+    host = json.loads(out.read_text())["host_profile"]
+    assert host["updates"] == 2 and host["ms_per_update"] > 0
+    by_name = {f["function"].rsplit("(", 1)[1].rstrip(")"): f for f in host["top_cumtime"]}
+    assert by_name["slow_host_work"]["calls"] == 1.0 and by_name["fast_host_work"]["calls"] == 2.0
+    assert by_name["slow_host_work"]["ms"] > by_name["fast_host_work"]["ms"]
+    assert [f["ms"] for f in host["top_tottime"]] == sorted((f["ms"] for f in host["top_tottime"]), reverse=True)
