@@ -79,3 +79,22 @@ def test_padding_takes_no_capacity_slot(top_k):
     assert float(aux_pad.balance_loss) == pytest.approx(float(aux_real.balance_loss), abs=1e-6)
     assert torch.allclose(y_pad[~mask], y_real[0], atol=1e-6)
     assert torch.equal(y_pad[mask], torch.zeros_like(y_pad[mask]))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_routing_entropy_sums_the_real_tokens(padded):
+    """``routing_stats``' entropy sum against ``-sum_t sum_e p log p`` in float64 over the real tokens
+    (one flat sum, so that no compiled reduction fuses a per-token sum with the z-loss's: Triton 3.6)."""
+    from torchscale_fairseq.modules.moe.balance import routing_stats
+    from torchscale_fairseq.modules.moe.gating import top_k_routing
+
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(40, 6, generator=g) * 3, dim=-1)
+    probs[3, 0] = 0.0  # a zero probability counts 0, not nan
+    real = (torch.arange(40) % 7 != 0) if padded else None
+    stats = routing_stats(probs, top_k_routing(probs, 2, 0.0, "all", False, True, None, real))
+    p = probs.double()
+    per_token = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+    want = per_token.sum() if real is None else per_token[real].sum()
+    assert float(stats.entropy_sum) == pytest.approx(float(want), rel=1e-6)
+    assert int(stats.tokens) == (40 if real is None else int(real.sum()))

@@ -123,9 +123,11 @@ def routing_stats(probs: torch.Tensor, routing, load: torch.Tensor | None = None
         load = routing.load if load is None else load
         cv = load.std(unbiased=False) / load.mean().clamp(min=1e-9) if load.numel() > 1 else load.new_zeros(())
         p = probs.detach().float()
-        entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
+        plogp = p * p.clamp(min=1e-12).log()
         real = routing.real
         tokens = (torch.full((), probs.size(0), dtype=torch.long, device=probs.device) if real is None
                   else real.sum())  # a fill on the device (compiled: of a dynamic token count)
-        entropy_sum = entropy.sum() if real is None else (entropy * real).sum()
+        # the entropies' sum as one flat T x E sum: a per-token entropy summed beside the z-loss's sum and the
+        # clamped token count fused into one reduction that Triton 3.6 cannot compile (triton-lang/triton#8257)
+        entropy_sum = -(plogp.sum() if real is None else (plogp * real.unsqueeze(1)).sum())
     return RoutingStats(tokens, cv, routing.dropped, routing.routed, entropy_sum)
