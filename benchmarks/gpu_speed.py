@@ -87,11 +87,11 @@ def train_args(data: Path, arch_flags: list[str], batch: int, toy: bool) -> list
             "--disable-validation", "--no-save", "--seed", "1", "--num-workers", "2", *arch_flags]
 
 
-def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int], profile: int, log_dir: Path,
-                 timeout: int) -> dict | None:
+def run_profiled(name: str, args: list[str], tokens: int, window: tuple[int, int], host_profile: int, profile: int,
+                 log_dir: Path, timeout: int) -> dict | None:
     out = log_dir / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).with_name("train_profile.py")), "--time", f"{window[0]}:{window[1]}",
-           "--host-profile", str(profile - window[1] - 1), "--profile", str(profile), "--tokens", str(tokens),
+           "--host-profile", str(host_profile), "--profile", str(profile), "--tokens", str(tokens),
            "--out", str(out), "--", *args,
            "--save-dir", str(log_dir / "checkpoints")]  # fairseq creates it even under --no-save
     start = time.time()
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     vocab = 500 if args.toy else GPT2_VOCAB
     configs = {"toy": ("2 64 2 128", 2)} if args.toy else CONFIGS
-    window, profile = ((2, 3), 5) if args.toy else (WINDOW, PROFILE)
+    window, host_profile, profile = ((2, 3), 1, 5) if args.toy else (WINDOW, HOST_PROFILE, PROFILE)
     tokens_needed = max(c[1] for c in configs.values()) * (SEQ if not args.toy else 64) * (profile + 4)
     data = gpt2_sized_data(args.data.parent, tokens_needed, vocab) if not args.toy else \
         gpt2_sized_data(log_dir / "data", tokens_needed, vocab)
@@ -186,8 +186,8 @@ def main(argv=None) -> int:
         if args.only and name not in args.only:
             continue
         tokens = batch * (SEQ if not args.toy else 64)
-        result = run_profiled(name, train_args(data, flags, batch, args.toy), tokens, window, profile, log_dir,
-                              timeout=60 if args.toy else (150 if cname == "ts_lm_large" else 200))
+        result = run_profiled(name, train_args(data, flags, batch, args.toy), tokens, window, host_profile, profile,
+                              log_dir, timeout=60 if args.toy else (150 if cname == "ts_lm_large" else 200))
         if result is not None:
             result["flops_per_token"] = flops_per_token(vocab_padded, SEQ if not args.toy else 64,
                                                         configs[cname][0])["total"]
@@ -301,8 +301,8 @@ def print_table(runs: dict) -> None:
         cells += [f"{r['between_steps_ms']:.1f}"]
         cells += [f"{prof['host_ranges_ms'][k]:.1f}" if prof else "-" for k in ranges]
         print(f"| {name} | {r['ms_per_update']:.1f} | " + " | ".join(cells) + " |")
-    print("\n| run | update interval median / max ms (update) | compile events | cudaMalloc / cudaFree / retries "
-          "| peak allocated / reserved GB | gc ms (collections) |")
+    print("\n| run | update interval median / max ms (update) | compilations | cudaMalloc / cudaFree / retries "
+          "| window's peak allocated / reserved GB | gc ms (collections) |")
     print("|---|---|---|---|---|---|")
     for name, r in runs.items():
         w = r.get("window_detail")
@@ -312,7 +312,7 @@ def print_table(runs: dict) -> None:
         intervals = w["intervals_ms"]
         slowest = max(range(len(intervals)), key=intervals.__getitem__)
         a = w["allocator"]
-        compiles = ", ".join(f"{k} {v:.0f}" for k, v in w["compile_events"].items() if v) or "none"
+        compiles = ", ".join(f"{k} {v:.0f}" for k, v in w["compilations"].items() if v) or "none"
         print(f"| {name} | {statistics.median(intervals):.1f} / {intervals[slowest]:.1f} ({r['window'][0] + slowest}) "
               f"| {compiles} | {a['num_device_alloc']:.0f} / {a['num_device_free']:.0f} / {a['num_alloc_retries']:.0f} "
               f"| {w['peak_allocated_gb']:.1f} / {w['peak_reserved_gb']:.1f} | {w['gc_ms']:.1f} ({w['gc_runs']}) |")

@@ -195,13 +195,15 @@ def sync_sites(cuda: bool):
 
 
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
-COMPILE_COUNTERS = ("frames", "aot_autograd", "inductor")
+# dynamo's frames compiled, graphs made and AOTAutograd compilations (a recompile in the window shows in each)
+COMPILE_COUNTERS = {"frames": ("frames", "total"), "graphs": ("stats", "unique_graphs"),
+                    "aot_autograd": ("aot_autograd", "total")}
 
 
 def _compile_counts() -> dict[str, float]:
     from torch._dynamo.utils import counters
 
-    return {c: float(sum(counters[c].values())) for c in COMPILE_COUNTERS}
+    return {name: float(counters[group][key]) for name, (group, key) in COMPILE_COUNTERS.items()}
 
 
 class WindowWatch:
@@ -231,18 +233,21 @@ class WindowWatch:
     def start(self) -> None:
         self.on = True
         self.compiles, self.alloc = _compile_counts(), self._allocator()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()  # the window's peaks, not the warm-up's
 
     def update_started(self) -> None:
         self.starts.append(time.perf_counter())
 
     def stop(self) -> dict[str, Any]:
         self.on = False
+        gc.callbacks.remove(self._gc)
         compiles, alloc = _compile_counts(), self._allocator()
         stats = torch.cuda.memory_stats() if self.cuda else {}
         intervals = [1e3 * (b - a) for a, b in zip(self.starts, self.starts[1:])]
         return {
             "intervals_ms": [round(x, 2) for x in intervals],
-            "compile_events": {k: compiles[k] - self.compiles[k] for k in COMPILE_COUNTERS},
+            "compilations": {k: compiles[k] - self.compiles[k] for k in COMPILE_COUNTERS},
             "allocator": {k: alloc[k] - self.alloc[k] for k in ALLOCATOR_COUNTS},
             "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / 2**30,
             "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / 2**30,

@@ -34,9 +34,9 @@ def test_plan_fits_the_device_calls():
 
 
 def test_plan_refuses_a_stage_over_its_limit():
-    proc = check("--plan", GPU_CHECK_EXPECTED="bench-speed=520")
+    proc = check("--plan", GPU_CHECK_EXPECTED="bench-speed=530")
     assert proc.returncode == 1
-    assert re.search(r"^plan error: stage 3 expects \d+s, over its 550s limit", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^plan error: stage 3 expects \d+s, over its 560s limit", proc.stdout, re.M), proc.stdout
 
 
 def write_stage(results: Path, stage: int, statuses: dict[str, str]) -> None:
