@@ -159,11 +159,19 @@ def summarise(trace: dict) -> dict[str, Any]:
     }
 
 
+REPO_PREFIX = str(Path(__file__).resolve().parents[1]) + "/"
+
+
+def _short_path(filename: str) -> str:
+    """``filename`` relative to site-packages or to the repository."""
+    return filename.split("site-packages/")[-1].removeprefix(REPO_PREFIX)
+
+
 def _sync_site() -> str:
     """The innermost frame of fairseq or this plugin on the current stack."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if "/fairseq/" in frame.filename or "/torchscale_fairseq/" in frame.filename:
-            return f"{frame.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno}"
+            return f"{_short_path(frame.filename)}:{frame.lineno}"
     return "?"
 
 
@@ -261,8 +269,8 @@ def host_functions(stats: Any, updates: int, key: str, top: int = 25) -> list[di
     ("cumtime"), in ms and calls per update."""
     rows = []
     for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        where = f"{filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})"
-        rows.append({"function": where, "ms": 1e3 * (tottime if key == "tottime" else cumtime) / updates,
+        seconds = tottime if key == "tottime" else cumtime
+        rows.append({"function": f"{_short_path(filename)}:{line}({name})", "ms": 1e3 * seconds / updates,
                      "calls": calls / updates})
     return sorted(rows, key=lambda r: -r["ms"])[:top]
 
@@ -281,6 +289,7 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
     marks: dict[str, float] = {}
     result: dict[str, Any] = {"tokens_per_update": tokens_per_update, "window": [first, last]}
     watch = WindowWatch(cuda)
+    host = {"profiler": None, "seconds": 0.0}  # --host-profile: the updates after the window under cProfile
 
     def train_step(self, samples, raise_oom=False):
         update = self.get_num_updates() + 1
@@ -300,27 +309,27 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
             result["tokens_per_s"] = tokens_per_update * updates / seconds
             result["ms_per_update"] = 1e3 * seconds / updates
             result["between_steps_ms"] = 1e3 * marks["outside"] / updates
-        if last < update <= last + host_profile:
-            import cProfile
-            import pstats
+        if update != profile_at:
+            profiled = last < update <= last + host_profile
+            if profiled:
+                import cProfile
 
-            if update == last + 1:
-                marks["host_profile"] = cProfile.Profile()
-            start = time.perf_counter()
-            marks["host_profile"].enable()
+                host["profiler"] = host["profiler"] or cProfile.Profile()
+                start = time.perf_counter()
+                host["profiler"].enable()
             output = original(self, samples, raise_oom)
-            marks["host_profile"].disable()
-            marks["host_profiled_s"] = marks.get("host_profiled_s", 0.0) + time.perf_counter() - start
-            if update == last + host_profile:
-                stats = pstats.Stats(marks["host_profile"])
-                result["host_profile"] = {
-                    "updates": host_profile, "ms_per_update": 1e3 * marks["host_profiled_s"] / host_profile,
-                    "top_tottime": host_functions(stats, host_profile, "tottime"),
-                    "top_cumtime": host_functions(stats, host_profile, "cumtime"),
-                }
-            marks["returned"] = time.perf_counter()
-        elif update != profile_at:
-            output = original(self, samples, raise_oom)
+            if profiled:
+                host["profiler"].disable()
+                host["seconds"] += time.perf_counter() - start
+                if update == last + host_profile:
+                    import pstats
+
+                    stats = pstats.Stats(host["profiler"])
+                    result["host_profile"] = {
+                        "updates": host_profile, "ms_per_update": 1e3 * host["seconds"] / host_profile,
+                        "top_tottime": host_functions(stats, host_profile, "tottime"),
+                        "top_cumtime": host_functions(stats, host_profile, "cumtime"),
+                    }
             marks["returned"] = time.perf_counter()
         else:
             from torch.profiler import ProfilerActivity, profile, record_function
