@@ -5,11 +5,16 @@ compared: Adam turns rounding-level differences of near-zero gradients into step
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from tests.helpers.model_utils import build, dictionary
-from torchscale_fairseq.architecture.layer import _compiled_forward
+from torchscale_fairseq.architecture.config import StackConfig
+from torchscale_fairseq.architecture.layer import _compiled_forward, graph_break_report
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 
 UPDATES = 3
@@ -206,3 +211,84 @@ def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
     run = _compiled_run(model, [step(batch) for batch in batches])
     assert run["frames"]["total"] == run["frames"]["ok"] >= 8, run
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+
+def _enum_members(obj, path: str) -> list[str]:
+    """Paths of the ``Enum`` members among dataclass ``obj``'s fields, recursively."""
+    if isinstance(obj, enum.Enum):
+        return [path]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [p for f in dataclasses.fields(obj) for p in _enum_members(getattr(obj, f.name), f"{path}.{f.name}")]
+    return []
+
+
+@pytest.mark.parametrize("arch", ["ts_lm_tiny", "ts_transformer_tiny"])
+def test_fairseq_train_config_compiles_each_layer_whole(lm_data, mt_data, dynamo_only_layers, arch):
+    """A model built from fairseq-train's own typed config, which holds every choice flag as a
+    ``ChoiceEnum`` member (equal to its string, but not a string), gets plain strings in its stack
+    config, and compiles each layer as one graph. ``--ts-attention-backend``'s member, looked up in a dict
+    inside the layer, made torch 2.11's dynamo give up on the layer's frame (2.13's accepts it): each
+    sublayer then ran as its own small graph with eager code between them, in every ``--ts-compile`` run
+    of fairseq-train on the GPU node (the GPU runs of 2026-11-28 and 2026-11-30 included)."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from tests.helpers.cli_utils import USER_DIR
+
+    torch.set_num_threads(1)
+    data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")
+            else [str(mt_data), "--task", "translation"])
+    argv = [*data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile", "--activation-fn", "gelu",
+            "--backbone", "magneto", "--dropout", "0.1"]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    add_defaults(cfg)  # as fairseq-train's main: the model's fields typed by its dataclass
+    assert not isinstance(cfg.model.ts_attention_backend, str)  # the enum member this test is about
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    stacks = [m for m in model.modules() if isinstance(getattr(m, "cfg", None), StackConfig)]
+    assert stacks and not [p for m in stacks for p in _enum_members(m.cfg, type(m).__name__)]
+    d = task.target_dictionary
+    tokens = torch.randint(d.nspecial, len(d), (3, 9), generator=torch.Generator().manual_seed(0))
+    inputs = (tokens,) if arch.startswith("ts_lm") else (tokens, torch.full((3,), 9), tokens)
+    model.train()
+    counters.clear()
+    model(*inputs)[0].float().sum().backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] == counters["frames"]["ok"] >= 1, dict(counters["frames"])
+    if arch.startswith("ts_lm"):
+        assert counters["frames"]["ok"] == 1  # the decoder's layers: one frame, whole
+
+
+def test_graph_break_report_counts_and_names_the_breaks():
+    """The trainer's one warning line under ``--ts-compile``: nothing where dynamo's graphs held, the count
+    and the reason where a compiled function broke."""
+    torch._dynamo.reset()
+    counters.clear()
+    assert graph_break_report() is None
+
+    @torch.compile(backend="eager")
+    def halves(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch.testing.assert_close(halves(torch.ones(2)), torch.full((2,), 4.0))
+    report = graph_break_report()
+    assert report is not None and "1 times" in report and "graph_break" in report, report
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def test_fairseq_train_says_the_layers_compiled_whole(lm_data, tmp_path):
+    """``fairseq-train --ts-compile`` says after its first update that nothing broke torch.compile's graphs
+    (where something did, that line is the warning of :func:`graph_break_report`; torch 2.11 broke every
+    layer built from fairseq-train's config until the stack config held its choices as strings)."""
+    from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, run, tool
+
+    out = run([tool("fairseq-train"), str(lm_data), "--user-dir", USER_DIR, "--arch", "ts_lm_tiny", "--max-update", "2",
+               "--no-save", *LM_TRAIN, "--ts-compile", "--decoder-layers", "1", "--save-dir", str(tmp_path)])
+    log = out.stdout + out.stderr
+    assert log.count("--ts-compile: compiled without a graph break") == 1, log[-3000:]
+    assert "torch.compile broke" not in log

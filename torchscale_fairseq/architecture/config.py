@@ -113,10 +113,12 @@ class StackConfig:
             max_positions = args.max_target_positions
         recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
         check_context_parallel(args, part, parallel)
-        activation = getattr(args, "activation_fn", "gelu")
+        # choices as plain str: fairseq-train's typed config holds each as a ChoiceEnum member, which equals
+        # its string, but which torch 2.11's dynamo cannot look up in a dict (each layer fell back to eager)
+        activation = str(getattr(args, "activation_fn", "gelu"))
         check_activation(activation)
         backbone = build_backbone(
-            args.backbone, part, getattr(args, "encoder_layers", 0), getattr(args, "decoder_layers", 0)
+            str(args.backbone), part, getattr(args, "encoder_layers", 0), getattr(args, "decoder_layers", 0)
         )
         return cls(
             embed_dim=getattr(args, f"{side}_embed_dim"),
@@ -140,7 +142,7 @@ class StackConfig:
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
             cuda_graphs=getattr(args, "ts_cuda_graphs", False),
-            attention_backend=getattr(args, "ts_attention_backend", "auto"),
+            attention_backend=str(getattr(args, "ts_attention_backend", "auto")),
             fused_cross_entropy=getattr(args, "ts_fused_cross_entropy", False),
             loss_chunk_tokens=getattr(args, "ts_loss_chunk_tokens", 4096),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),
