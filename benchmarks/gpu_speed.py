@@ -302,12 +302,14 @@ def print_table(runs: dict) -> None:
         cells += [f"{prof['host_ranges_ms'][k]:.1f}" if prof else "-" for k in ranges]
         print(f"| {name} | {r['ms_per_update']:.1f} | " + " | ".join(cells) + " |")
     print("\n| run | update interval median / max ms (update) | compilations | cudaMalloc / cudaFree / retries "
-          "| window's peak allocated / reserved GB | gc ms (collections) |")
-    print("|---|---|---|---|---|---|")
+          "| window's peak allocated / reserved GB | gc ms (collections) | graph breaks |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
+        breaks = r.get("graph_breaks", {})
+        broke = "; ".join(f"{n} x {reason[:80]}" for reason, n in breaks.items()) or "none"
         w = r.get("window_detail")
         if not w or not w["intervals_ms"]:
-            print(f"| {name} | - | - | - | - | - |")
+            print(f"| {name} | - | - | - | - | - | {broke} |")
             continue
         intervals = w["intervals_ms"]
         slowest = max(range(len(intervals)), key=intervals.__getitem__)
@@ -315,7 +317,8 @@ def print_table(runs: dict) -> None:
         compiles = ", ".join(f"{k} {v:.0f}" for k, v in w["compilations"].items() if v) or "none"
         print(f"| {name} | {statistics.median(intervals):.1f} / {intervals[slowest]:.1f} ({r['window'][0] + slowest}) "
               f"| {compiles} | {a['num_device_alloc']:.0f} / {a['num_device_free']:.0f} / {a['num_alloc_retries']:.0f} "
-              f"| {w['peak_allocated_gb']:.1f} / {w['peak_reserved_gb']:.1f} | {w['gc_ms']:.1f} ({w['gc_runs']}) |")
+              f"| {w['peak_allocated_gb']:.1f} / {w['peak_reserved_gb']:.1f} | {w['gc_ms']:.1f} ({w['gc_runs']}) "
+              f"| {broke} |")
     for name, r in runs.items():
         host = r.get("host_profile")
         if host:

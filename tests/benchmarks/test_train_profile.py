@@ -88,7 +88,8 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
     """Updates 1-3 timed on a clock the test moves: 10 ms in each ``train_step`` (50 ms in update 2,
     which also runs one garbage collection and compiles a function) and 25 ms of the trainer's loop after it, so 145 ms in
     the window of which 25 per update between steps, and the window's detail names update 2 as the
-    slow one; update 4 is profiled (no CUDA here: its sync sites only) and closes the window."""
+    slow one; update 4 is profiled (no CUDA here: its sync sites only) and closes the window; the graph
+    break of a function it compiles is counted with its reason."""
     import gc
     import json
 
@@ -109,10 +110,18 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
             if self.updates == 1:
                 gc.collect()
                 torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # one frame, one graph
+            if self.updates == 3:  # the profiled update compiles a function that breaks its graph once
+                torch.compile(broken, backend="eager")(torch.ones(2))
             self.updates += 1
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
 
     monkeypatch.setattr(fairseq.trainer, "Trainer", Trainer)
     out = tmp_path / "run.json"
+    torch._dynamo.utils.counters.clear()
     train_profile.wrap_train_step(1, 3, 4, out, tokens_per_update=300)
     trainer = Trainer()
     for _ in range(4):
@@ -129,6 +138,7 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
     assert detail["compilations"] == {"frames": 1.0, "graphs": 1.0, "aot_autograd": 0.0}  # eager backend: no AOT
     assert set(detail["allocator"].values()) == {0.0}
     assert train_profile.WindowWatch._gc not in [getattr(c, "__func__", None) for c in gc.callbacks]
+    assert list(got["graph_breaks"].values()) == [1] and "graph_break" in next(iter(got["graph_breaks"]))
 
 
 def test_a_real_cpu_run_finds_fairseqs_ranges_in_the_profiled_step(lm_data, tmp_path):
