@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from tests.helpers.model_utils import build, dictionary
 from torchscale_fairseq.architecture.config import StackConfig
-from torchscale_fairseq.architecture.layer import _compiled_forward, graph_break_report
+from torchscale_fairseq.architecture.layer import TransformerLayer, _compiled_forward, graph_break_report
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 
 UPDATES = 3
@@ -227,10 +227,11 @@ def _enum_members(obj, path: str) -> list[str]:
 def test_fairseq_train_config_compiles_each_layer_whole(lm_data, mt_data, dynamo_only_layers, arch):
     """A model built from fairseq-train's own typed config, which holds every choice flag as a
     ``ChoiceEnum`` member (equal to its string, but not a string), gets plain strings in its stack
-    config, and compiles each layer as one graph. ``--ts-attention-backend``'s member, looked up in a dict
-    inside the layer, made torch 2.11's dynamo give up on the layer's frame (2.13's accepts it): each
-    sublayer then ran as its own small graph with eager code between them, in every ``--ts-compile`` run
-    of fairseq-train on the GPU node (the GPU runs of 2026-11-28 and 2026-11-30 included)."""
+    config, compiles each layer as one graph, and computes what the eager layers compute. On torch 2.11
+    (the GPU node's; 2.13 traces both right) the members did two things inside the compiled layer:
+    ``--ts-attention-backend``'s, looked up in a dict, made dynamo give up on the layer's frame (each
+    sublayer then ran as its own small graph with eager code between them), and ``--activation-fn gelu``'s
+    compared unequal to ``"gelu"``, so the compiled FFN ran ReLU."""
     from fairseq import options, tasks
     from fairseq.dataclass.initialize import add_defaults
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -259,6 +260,14 @@ def test_fairseq_train_config_compiles_each_layer_whole(lm_data, mt_data, dynamo
     assert counters["frames"]["total"] == counters["frames"]["ok"] >= 1, dict(counters["frames"])
     if arch.startswith("ts_lm"):
         assert counters["frames"]["ok"] == 1  # the decoder's layers: one frame, whole
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    model.eval()
+    with torch.no_grad():
+        compiled = model(*inputs)[0]
+        for layer in layers:
+            layer.compiled = False
+        eager = model(*inputs)[0]
+    torch.testing.assert_close(compiled, eager)  # 2.11 traced `activation == "gelu"` as False: ReLU, compiled
 
 
 def test_graph_break_report_counts_and_names_the_breaks():
