@@ -1,0 +1,55 @@
+"""``benchmarks/gpu_speed.py``'s JSON lines: the issue's metric names hold our fastest path (the fast path,
+or the same with ``--ts-cuda-graphs`` where that run is faster), each path also under its own suffix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_speed  # noqa: E402
+
+FLOPS = 1e9  # per token
+
+
+def run(tokens_per_s: float, command: str) -> dict:
+    return {"tokens_per_s": tokens_per_s, "flops_per_token": FLOPS, "command": command}
+
+
+def record_in_order(tmp_path, graphs_tokens_per_s: float) -> dict[str, list[dict]]:
+    """The plan's order for ``ts_lm_large``: fast, stock, fast with graphs; each metric's lines."""
+    path = tmp_path / "results.jsonl"
+    runs: dict = {}
+    plan = [("large_fast", "", run(100.0, "fast")), ("stock", None, run(80.0, "stock")),
+            ("large_fast_cuda_graphs", gpu_speed.GRAPHS, run(graphs_tokens_per_s, "graphs"))]
+    for name, suffix, result in plan:
+        runs[name] = result
+        gpu_speed.record(name, "ts_lm_large", suffix, result, runs, peak=2e15, path=path, device="cpu")
+    lines: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        lines.setdefault(row["metric"], []).append(row)
+    return lines
+
+
+def test_a_faster_run_with_graphs_becomes_the_issues_metric(tmp_path):
+    lines = record_in_order(tmp_path, graphs_tokens_per_s=150.0)
+    mfu = lines["mfu_datasheet_ts_lm_large"]
+    assert [r["command"] for r in mfu] == ["fast", "graphs"]  # the last line: the fastest path
+    assert mfu[-1]["value"] == pytest.approx(150.0 * FLOPS / gpu_speed.DATASHEET_BF16, abs=1e-4)
+    assert mfu[-1]["target"] == gpu_speed.TARGETS["mfu_datasheet_ts_lm_large"]
+    assert lines["mfu_measured_ts_lm_large"][-1]["value"] == pytest.approx(150.0 * FLOPS / 2e15, abs=1e-4)
+    assert [r["value"] for r in lines["tokens_per_s_vs_stock"]] == [1.25, 1.875]
+    assert [r["value"] for r in lines["tokens_per_s_vs_stock_cuda_graphs"]] == [1.875]
+    assert len(lines["mfu_datasheet_ts_lm_large_cuda_graphs"]) == 1
+
+
+def test_a_slower_run_with_graphs_keeps_its_own_names(tmp_path):
+    lines = record_in_order(tmp_path, graphs_tokens_per_s=90.0)
+    assert [r["command"] for r in lines["mfu_datasheet_ts_lm_large"]] == ["fast"]
+    assert [r["value"] for r in lines["tokens_per_s_vs_stock"]] == [1.25]
+    assert [r["value"] for r in lines["tokens_per_s_vs_stock_cuda_graphs"]] == [1.125]
