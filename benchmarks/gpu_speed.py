@@ -322,11 +322,13 @@ def print_table(runs: dict) -> None:
         cells += [f"{prof['host_ranges_ms'][k]:.1f}" if prof else "-" for k in ranges]
         print(f"| {name} | {r['ms_per_update']:.1f} | " + " | ".join(cells) + " |")
     print("\n| run | update interval median / max ms (update) | compilations | cudaMalloc / cudaFree / retries "
-          "| window's peak allocated / reserved GB | gc ms (collections) | graph breaks |")
+          "| window's peak allocated / reserved GB | gc ms (collections) | compile: functions eager, graph breaks |")
     print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        breaks = r.get("graph_breaks", {})
-        broke = "; ".join(f"{n} x {reason[:80]}" for reason, n in breaks.items()) or "none"
+        fallbacks = r.get("compile_fallbacks")
+        broke = "-" if fallbacks is None else (
+            f"{fallbacks['frames_run_eager']} eager, {fallbacks['graph_breaks']} breaks: "
+            + ("; ".join(f"{n} x {reason[:80]}" for reason, n in fallbacks["reasons"].items()) or "none"))
         w = r.get("window_detail")
         if not w or not w["intervals_ms"]:
             print(f"| {name} | - | - | - | - | - | {broke} |")

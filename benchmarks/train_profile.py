@@ -46,7 +46,8 @@ these updates are kept out of the window.
 
 The JSON written to ``--out`` holds the window's tokens/s, the per-update token count, the
 profile's rows (ms and share of the step), the 15 longest kernels, ``window_detail``,
-``host_profile`` and ``graph_breaks`` (dynamo's graph breaks by reason, over the whole run).
+``host_profile`` and ``compile_fallbacks`` (over the whole run: graph breaks, functions dynamo left eager,
+and the reasons; :mod:`torchscale_fairseq.architecture.compile_report`).
 """
 
 from __future__ import annotations
@@ -346,8 +347,9 @@ def wrap_train_step(first: int, last: int, profile_at: int, out: Path, tokens_pe
             result["sync_sites"] = dict(sites.most_common())
             trace_path.unlink()
         if update == profile_at:
-            breaks = torch._dynamo.utils.counters["graph_break"]  # what torch.compile could not compile whole
-            result["graph_breaks"] = {reason.splitlines()[0][:200]: n for reason, n in breaks.most_common()}
+            from torchscale_fairseq.architecture.compile_report import compile_fallbacks  # the plugin fairseq loaded
+
+            result["compile_fallbacks"] = compile_fallbacks()  # what torch.compile could not compile whole
             out.write_text(json.dumps(result, indent=1))
         return output
 

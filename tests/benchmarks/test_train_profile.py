@@ -138,7 +138,10 @@ def test_the_window_splits_time_per_update_into_the_step_and_the_loop_around_it(
     assert detail["compilations"] == {"frames": 1.0, "graphs": 1.0, "aot_autograd": 0.0}  # eager backend: no AOT
     assert set(detail["allocator"].values()) == {0.0}
     assert train_profile.WindowWatch._gc not in [getattr(c, "__func__", None) for c in gc.callbacks]
-    assert list(got["graph_breaks"].values()) == [1] and "graph_break" in next(iter(got["graph_breaks"]))
+    fallbacks = got["compile_fallbacks"]
+    assert fallbacks["graph_breaks"] == 1 and fallbacks["frames_run_eager"] == 0, fallbacks
+    assert list(fallbacks["reasons"].values()) == [1] and "graph_break" in next(iter(fallbacks["reasons"]))
+    torch._dynamo.utils.counters.clear()
 
 
 def test_a_real_cpu_run_finds_fairseqs_ranges_in_the_profiled_step(lm_data, tmp_path):

@@ -83,8 +83,8 @@ def test_fast_flags_track_the_default_path(lm_data, tmp_path):
         [*moe, "--save-dir", tmp_path / "moe"],
         [*moe, "--save-dir", tmp_path / "moe_graphed", "--ts-cuda-graphs"],
     ])
-    for compiled in (fast, sync_free, graphed, accumulated, accumulated_graphed, moe_plain, moe_graphed):
-        assert "torch.compile broke its graphs" not in compiled.stdout + compiled.stderr, compiled.stderr[-3000:]
+    for run in (fast, sync_free, graphed, accumulated, accumulated_graphed, moe_plain, moe_graphed):
+        assert "ran every compiled function whole" in run.stdout + run.stderr, run.stderr[-3000:]
     losses = [[float(r["loss"]) for r in json_logs(p.stdout + p.stderr, "train_inner")]
               for p in (default, fast, sync_free, graphed, accumulated, accumulated_graphed)]
     assert [len(run_losses) for run_losses in losses] == [20] * 6, losses

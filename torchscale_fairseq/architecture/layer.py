@@ -182,18 +182,6 @@ def wrap_layer(layer: nn.Module, cfg: StackConfig) -> nn.Module:
 COMPILED_LAYER_ENTRIES = 64
 
 
-def graph_break_report() -> str | None:
-    """What dynamo could not compile whole so far (its graph-break counter, every compiled function
-    of the process), as one line naming the count and the most frequent reasons; ``None`` if nothing
-    broke. A broken layer runs as several graphs with eager code between them: slower, same numbers."""
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    if not breaks:
-        return None
-    reasons = "; ".join(f"{n} x {reason.splitlines()[0][:160]}" for reason, n in breaks.most_common(3))
-    return (f"torch.compile broke its graphs {sum(breaks.values())} times ({reasons}): those parts run in pieces, "
-            "with eager code between them; TORCH_LOGS=graph_breaks shows where")
-
-
 @functools.cache
 def _compiled_forward():
     """``TransformerLayer._forward`` compiled once for all layers (``self`` is an argument)."""

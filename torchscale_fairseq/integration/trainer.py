@@ -17,9 +17,9 @@
   the CPU autocasts to bfloat16 (:mod:`.cpu_autocast`; fairseq's autocast is CUDA-only);
 - Python's garbage collector does not run inside a training step, and the step's logging adds no
   host sync (:mod:`.host_overhead`, :meth:`TsTrainer._reduce_and_log_stats`);
-- under ``--ts-compile``, after the first update, one line says whether torch.compile compiled
-  everything whole or, as a warning, what it could not
-  (:func:`~torchscale_fairseq.architecture.layer.graph_break_report`);
+- under ``--ts-compile``, after the first update, one line says whether torch.compile ran everything
+  it compiled whole or, as a warning, what it left eager or broke
+  (:mod:`~torchscale_fairseq.architecture.compile_report`);
 - a non-finite gradient norm skips the update in every precision mode and on every
   device (stock fairseq raises ``FloatingPointError`` in fp32, and its overflow handler
   calls ``torch.tensor(0.0).cuda()``, which fails without CUDA); after
@@ -68,7 +68,7 @@ from fairseq import optim, utils
 from fairseq.logging import metrics
 from omegaconf import open_dict
 
-from torchscale_fairseq.architecture.layer import graph_break_report
+from torchscale_fairseq.architecture.compile_report import compile_fallback_report
 from torchscale_fairseq.architecture.padding_layout import mark_padding_layout, padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
@@ -255,7 +255,7 @@ class TsTrainer(ScheduledTrainer):
         self._applied: torch.Tensor | None = None  # whether its update applied (device 0/1)
         self._layout_pad = _shared_pad(task)  # padding layouts are found where it is known (_prepare_sample)
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
-        self._graph_breaks_unread = bool(getattr(cfg.model, "ts_compile", False))
+        self._compile_report_pending = bool(getattr(cfg.model, "ts_compile", False))
 
     # data parallelism -------------------------------------------------------------
 
@@ -433,11 +433,12 @@ class TsTrainer(ScheduledTrainer):
             discard_expert_loads(self._model)
             return self._skip_update(str(e))
         self.skipped_in_a_row = 0
-        if self._graph_breaks_unread:  # once, after this process's first update compiled the layers
-            self._graph_breaks_unread = False
-            report = graph_break_report()
+        if self._compile_report_pending:  # once, after this process's first update compiled the layers
+            self._compile_report_pending = False
+            report = compile_fallback_report()
             if report is None:
-                logger.info("--ts-compile: compiled without a graph break (the first update's layers ran whole)")
+                logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
+                            "no function left eager)")
             else:
                 logger.warning(f"--ts-compile: {report}")
         if self.get_num_updates() > updates:  # --moe-router-bias-update-rate: after the optimizer step
