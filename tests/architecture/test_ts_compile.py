@@ -215,12 +215,49 @@ def test_moe_translation_layers_all_run_compiled(dynamo_only_layers):
 
 
 def _enum_members(obj, path: str) -> list[str]:
-    """Paths of the ``Enum`` members among dataclass ``obj``'s fields, recursively."""
+    """Paths of the ``Enum`` members in ``obj``: itself, its dataclass fields, list items and dict values."""
     if isinstance(obj, enum.Enum):
         return [path]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [p for f in dataclasses.fields(obj) for p in _enum_members(getattr(obj, f.name), f"{path}.{f.name}")]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, item in enumerate(obj) for p in _enum_members(item, f"{path}[{i}]")]
+    if isinstance(obj, dict):
+        return [p for key, value in obj.items() for p in _enum_members(value, f"{path}[{key!r}]")]
     return []
+
+
+def _fairseq_train_model(argv: list[str]):
+    """The task and the model ``fairseq-train argv`` builds: from its own typed config, whose model fields
+    hold each choice as a ``ChoiceEnum`` member."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    add_defaults(cfg)  # as fairseq-train's main: the model's fields typed by its dataclass
+    assert not isinstance(cfg.model.activation_fn, str)  # the enum members these tests are about
+    task = tasks.setup_task(cfg.task)
+    return task, task.build_model(cfg.model)
+
+
+@pytest.mark.parametrize("arch", ["ts_lm_tiny", "ts_transformer_tiny"])
+def test_fairseq_train_choices_reach_the_modules_as_strings(lm_data, mt_data, arch):
+    """No module of a model built by fairseq-train, MoE layers and every choice flag set, keeps an enum
+    member among its attributes (what torch 2.11's compile would trace wrong)."""
+    from tests.helpers.cli_utils import USER_DIR
+
+    data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")
+            else [str(mt_data), "--task", "translation"])
+    _, model = _fairseq_train_model([
+        *data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile", "--activation-fn", "gelu",
+        "--backbone", "magneto", "--ts-attention-backend", "math", "--checkpoint-activations", "selective",
+        "--moe-expert-count", "4", "--moe-router", "linear", "--moe-second-expert-policy", "all",
+        "--moe-balance-scope", "global", "--moe-checkpoint-exchange", "keep", "--moe-compiled-routing", "on",
+    ])
+    found = [p for name, m in model.named_modules() for key, value in vars(m).items() if not key.startswith("_")
+             for p in _enum_members(value, f"{name or type(m).__name__}.{key}")]
+    assert not found, found
 
 
 @pytest.mark.parametrize("arch", ["ts_lm_tiny", "ts_transformer_tiny"])
@@ -230,22 +267,13 @@ def test_fairseq_train_config_compiles_each_layer_whole(lm_data, mt_data, dynamo
     whole and computes what the eager layers compute. torch 2.11 (the GPU node's) traced ``member == "auto"``
     and ``member == "gelu"`` as False: the first led to a dict lookup that made dynamo leave the layer eager
     and compile its parts one by one, the second to ReLU in the compiled FFN."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.initialize import add_defaults
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
     from tests.helpers.cli_utils import USER_DIR
 
     torch.set_num_threads(1)
     data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")
             else [str(mt_data), "--task", "translation"])
-    argv = [*data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile", "--activation-fn", "gelu",
-            "--backbone", "magneto", "--dropout", "0.1"]
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
-    add_defaults(cfg)  # as fairseq-train's main: the model's fields typed by its dataclass
-    assert not isinstance(cfg.model.ts_attention_backend, str)  # the enum member this test is about
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
+    task, model = _fairseq_train_model([*data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile",
+                                        "--activation-fn", "gelu", "--backbone", "magneto", "--dropout", "0.1"])
     stacks = [m for m in model.modules() if isinstance(getattr(m, "cfg", None), StackConfig)]
     assert stacks and not [p for m in stacks for p in _enum_members(m.cfg, type(m).__name__)]
     d = task.target_dictionary

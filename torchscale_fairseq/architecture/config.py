@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchscale_fairseq.choices import choice
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.context_parallel import ContextParallelGroup, sequence_multiple
 from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
@@ -113,12 +114,10 @@ class StackConfig:
             max_positions = args.max_target_positions
         recompute = checkpoint_mode(getattr(args, "checkpoint_activations", "none"))
         check_context_parallel(args, part, parallel)
-        # choices as plain str: fairseq-train's typed config holds each as a ChoiceEnum member, which equals
-        # its string, but which torch 2.11's dynamo cannot look up in a dict (each layer fell back to eager)
-        activation = str(getattr(args, "activation_fn", "gelu"))
+        activation = choice(args, "activation_fn", "gelu")
         check_activation(activation)
         backbone = build_backbone(
-            str(args.backbone), part, getattr(args, "encoder_layers", 0), getattr(args, "decoder_layers", 0)
+            choice(args, "backbone", "magneto"), part, getattr(args, "encoder_layers", 0), getattr(args, "decoder_layers", 0)
         )
         return cls(
             embed_dim=getattr(args, f"{side}_embed_dim"),
@@ -142,7 +141,7 @@ class StackConfig:
             selective_recompute=recompute == "selective",
             compile_layers=getattr(args, "ts_compile", False),
             cuda_graphs=getattr(args, "ts_cuda_graphs", False),
-            attention_backend=str(getattr(args, "ts_attention_backend", "auto")),
+            attention_backend=choice(args, "ts_attention_backend", "auto"),
             fused_cross_entropy=getattr(args, "ts_fused_cross_entropy", False),
             loss_chunk_tokens=getattr(args, "ts_loss_chunk_tokens", 4096),
             layernorm_eps=getattr(args, "layernorm_eps", 1e-5),

@@ -27,6 +27,7 @@ from fairseq import utils
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
+from torchscale_fairseq.choices import choice
 from torchscale_fairseq.criterions.moe_terms import criterion_sample_size, merge_moe_figures, moe_figures
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.pipeline_parallel import PipelineChannel, run_steps, sum_tied_grads
@@ -176,7 +177,7 @@ class ScheduledTrainer(Trainer):
         try:
             if training:
                 self.get_model().set_num_updates(self.get_num_updates())
-                steps = schedule_steps(str(cfg.model.pipeline_schedule), parallel.pipeline_size,
+                steps = schedule_steps(choice(cfg.model, "pipeline_schedule", "1f1b"), parallel.pipeline_size,
                                        parallel.pipeline_rank, len(samples), split.chunks)
                 run_steps(steps, channel, parallel.pipeline_rank, split.chunks, forward, backward)
                 sum_tied_grads(self.get_model().parameters(), parallel.embedding_group)
@@ -271,7 +272,7 @@ def check_pipeline_run(cfg: Any, data_parallel_size: int, pipeline_size: int) ->
         raise TsConfigError("--store-ema is not pipeline-parallel: drop it or use --pipeline-model-parallel-size 1")
     chunks = cfg.model.virtual_pipeline_stages
     for update_freq in cfg.optimization.update_freq:
-        if str(cfg.model.pipeline_schedule) == "1f1b" and update_freq < pipeline_size:
+        if choice(cfg.model, "pipeline_schedule", "1f1b") == "1f1b" and update_freq < pipeline_size:
             raise TsConfigError(
                 f"--update-freq {update_freq} gives each update fewer micro-batches than the {pipeline_size} pipeline "
                 f"stages (most stages would idle): use --update-freq {pipeline_size} or more"

@@ -11,6 +11,7 @@ from omegaconf import II
 from torch import nn
 
 from torchscale_fairseq.architecture.config import CHECKPOINT_ACTIVATIONS, checkpoint_mode
+from torchscale_fairseq.choices import choice
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.model_parallel.float8 import FP8_RECIPES, convert_to_fp8, fp8_refusal
 from torchscale_fairseq.model_parallel.pipeline_schedules import SCHEDULES
@@ -313,7 +314,7 @@ def convert_fp8_from_args(model: nn.Module, args: Any) -> None:
     """``--fp8 RECIPE``: the model's eligible linear layers get FP8 GEMMs
     (:func:`~torchscale_fairseq.model_parallel.float8.convert_to_fp8`), refused in one line on a
     device without FP8 or without torchao; one log line names what was converted."""
-    recipe = str(getattr(args, "fp8", "none"))  # fairseq's config holds a ChoiceEnum member, torchao takes the name
+    recipe = choice(args, "fp8", "none")
     if recipe == "none":
         return
     cuda = torch.cuda.is_available() and not getattr(args, "cpu", False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torchscale_fairseq.choices import choice
 from torchscale_fairseq.errors import TsConfigError
 
 ROUTERS = ("xmoe", "linear", "expert_choice", "torchscale_xmoe")
@@ -57,17 +58,17 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         shared_expert_count=getattr(args, "moe_shared_expert_count", 0) or 0,
         router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 0.0) or 0.0,
         expert_parallel_size=getattr(args, "moe_expert_parallel_size", 0) or 0,
-        router=str(getattr(args, "moe_router", "xmoe")),
+        router=choice(args, "moe_router", "xmoe"),
         router_dim=getattr(args, "moe_router_dim", 16),
         gate_noise=getattr(args, "moe_gate_noise", 0.0),
         capacity_factor=getattr(args, "moe_capacity_factor", 1.25),
         eval_capacity_factor=getattr(args, "moe_eval_capacity_factor", 0.0),
-        second_expert_policy=str(getattr(args, "moe_second_expert_policy", "random")),
+        second_expert_policy=choice(args, "moe_second_expert_policy", "random"),
         normalize_gate_prob_before_dropping=getattr(args, "moe_normalize_gate_prob_before_dropping", False),
-        balance_scope=str(getattr(args, "moe_balance_scope", "local")),
-        checkpoint_exchange=str(getattr(args, "moe_checkpoint_exchange", "repeat")),
-        expert_tensor_parallel=str(getattr(args, "moe_expert_tensor_parallel", "split")),
-        compiled_routing=str(getattr(args, "moe_compiled_routing", "off")),
+        balance_scope=choice(args, "moe_balance_scope", "local"),
+        checkpoint_exchange=choice(args, "moe_checkpoint_exchange", "repeat"),
+        expert_tensor_parallel=choice(args, "moe_expert_tensor_parallel", "split"),
+        compiled_routing=choice(args, "moe_compiled_routing", "off"),
     )
     check_moe_config(cfg)
     return cfg
