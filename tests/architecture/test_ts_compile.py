@@ -243,8 +243,8 @@ def _fairseq_train_model(argv: list[str]):
 
 @pytest.mark.parametrize("arch", ["ts_lm_tiny", "ts_transformer_tiny"])
 def test_fairseq_train_choices_reach_the_modules_as_strings(lm_data, mt_data, arch):
-    """No module of a model built by fairseq-train, MoE layers and every choice flag set, keeps an enum
-    member among its attributes (what torch 2.11's compile would trace wrong)."""
+    """No module of a model built by fairseq-train, with MoE layers and most choice flags set (the others at
+    their enum defaults), keeps an enum member among its attributes (what torch 2.11's compile traces wrong)."""
     from tests.helpers.cli_utils import USER_DIR
 
     data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")

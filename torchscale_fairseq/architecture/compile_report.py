@@ -33,4 +33,4 @@ def compile_fallback_report() -> str | None:
     reasons = "; ".join(f"{count} x {reason[:160]}" for reason, count in list(found["reasons"].items())[:3])
     return (f"torch.compile ran {found['frames_run_eager']} function(s) eagerly and broke {found['graph_breaks']} "
             f"graph(s) ({reasons or 'no reason recorded'}): those parts run eagerly or in pieces, slower; "
-            "TORCH_LOGS=graph_breaks shows where")
+            "TORCH_LOGS=graph_breaks,recompiles shows where")
