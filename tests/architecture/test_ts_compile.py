@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.helpers.model_utils import build, dictionary
+from tests.helpers.model_utils import build, dictionary, fairseq_train_model
 from torchscale_fairseq.architecture.compile_report import compile_fallback_report
 from torchscale_fairseq.architecture.config import StackConfig
 from torchscale_fairseq.architecture.layer import TransformerLayer, _compiled_forward
@@ -227,20 +227,6 @@ def _enum_members(obj, path: str) -> list[str]:
     return []
 
 
-def _fairseq_train_model(argv: list[str]):
-    """The task and the model ``fairseq-train argv`` builds: from its own typed config, whose model fields
-    hold each choice as a ``ChoiceEnum`` member."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.initialize import add_defaults
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
-    add_defaults(cfg)  # as fairseq-train's main: the model's fields typed by its dataclass
-    assert not isinstance(cfg.model.activation_fn, str)  # the enum members these tests are about
-    task = tasks.setup_task(cfg.task)
-    return task, task.build_model(cfg.model)
-
-
 @pytest.mark.parametrize("arch", ["ts_lm_tiny", "ts_transformer_tiny"])
 def test_fairseq_train_choices_reach_the_modules_as_strings(lm_data, mt_data, arch):
     """No module of a model built by fairseq-train, with MoE layers and most choice flags set (the others at
@@ -249,7 +235,7 @@ def test_fairseq_train_choices_reach_the_modules_as_strings(lm_data, mt_data, ar
 
     data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")
             else [str(mt_data), "--task", "translation"])
-    _, model = _fairseq_train_model([
+    _, model = fairseq_train_model([
         *data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile", "--activation-fn", "gelu",
         "--backbone", "magneto", "--ts-attention-backend", "math", "--checkpoint-activations", "selective",
         "--moe-expert-count", "4", "--moe-router", "linear", "--moe-second-expert-policy", "all",
@@ -272,7 +258,7 @@ def test_fairseq_train_config_compiles_each_layer_whole(lm_data, mt_data, dynamo
     torch.set_num_threads(1)
     data = ([str(lm_data), "--task", "language_modeling", "--tokens-per-sample", "16"] if arch.startswith("ts_lm")
             else [str(mt_data), "--task", "translation"])
-    task, model = _fairseq_train_model([*data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile",
+    task, model = fairseq_train_model([*data, "--user-dir", USER_DIR, "--arch", arch, "--cpu", "--ts-compile",
                                         "--activation-fn", "gelu", "--backbone", "magneto", "--dropout", "0.1"])
     stacks = [m for m in model.modules() if isinstance(getattr(m, "cfg", None), StackConfig)]
     assert stacks and not [p for m in stacks for p in _enum_members(m.cfg, type(m).__name__)]

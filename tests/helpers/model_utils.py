@@ -47,6 +47,20 @@ def build(kind: str, d: Dictionary = None, **overrides: Any):
     return cls.build_model(args(**overrides), FakeTask(d or dictionary()))
 
 
+def fairseq_train_model(argv: list[str]):
+    """The task and the model ``fairseq-train argv`` builds: from its own typed config (``add_defaults``, as
+    fairseq-train's main), whose model fields hold each choice as a ``ChoiceEnum`` member, not a string."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    add_defaults(cfg)
+    assert not isinstance(cfg.model.activation_fn, str)  # the enum members such tests are about
+    task = tasks.setup_task(cfg.task)
+    return task, task.build_model(cfg.model)
+
+
 def train_lm(model, updates: list[list[torch.Tensor]], lr: float) -> tuple[list[float], list[dict], list[torch.Tensor]]:
     """Adam over ``updates``, each a list of token batches whose gradients accumulate (``--update-freq``):
     per update the summed cross-entropy (in fp32), per micro-batch its MoE figures, and the first update's

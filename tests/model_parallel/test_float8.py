@@ -160,20 +160,14 @@ def test_fairseq_train_config_builds_torchaos_recipe(lm_data, monkeypatch, recip
     """``--fp8`` as fairseq-train hands it to the model (its typed config holds the choice as an enum
     member, not a string) gives every converted layer torchao's config of that recipe. The CPU refusal is lifted:
     on a GPU the same path builds the model (2026-11-30, H200: torchao said "unknown recipe_name")."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.initialize import add_defaults
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
     import torchscale_fairseq.models.config as model_config
     from tests.helpers.cli_utils import USER_DIR
 
-    argv = [str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
-            "--decoder-embed-dim", "1152", "--decoder-ffn-embed-dim", "8192", "--tokens-per-sample", "16",
-            "--fp8", recipe]
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
-    add_defaults(cfg)  # as fairseq-train's main: the model's fields typed by its dataclass
     monkeypatch.setattr(model_config, "fp8_refusal", lambda device_type, capability: None)
-    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    _, model = model_utils.fairseq_train_model([
+        str(lm_data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "ts_lm_tiny", "--cpu",
+        "--decoder-embed-dim", "1152", "--decoder-ffn-embed-dim", "8192", "--tokens-per-sample", "16", "--fp8", recipe,
+    ])
     from torchao.float8 import Float8LinearConfig
 
     gemms = [m.gemm for _, m in fp8_linears(model) if isinstance(m.gemm, Float8Gemm)]
