@@ -279,8 +279,9 @@ clipscale() {
   wait
   clipscale_plots
 }
-clipscale_plots() {
+clipscale_plots() {  # section 8's table and plot, and the runs behind them (every update's gnorm_dense / gnorm_expert)
   mkdir -p "$RESULTS/clip"
+  python experiments/aggregate.py --moe "$RUNS"/clipscale_E*_s[0-9]*/ --runs-jsonl "$RESULTS/clip/norm_ratio_runs.jsonl" >/dev/null
   python experiments/grad_norm_scaling.py "$RUNS"/clipscale_E*_s[0-9]*/ --plot "$RESULTS/clip/norm_ratio_vs_experts.png" \
     | tee "$RESULTS/clip/norm_ratio_vs_experts.md"
 }

@@ -24,6 +24,11 @@ def compile_fallbacks() -> dict[str, Any]:
             "reasons": dict(reasons.most_common())}
 
 
+def compilations() -> int:
+    """Functions dynamo has compiled so far, recompilations included (its ``frames`` counter)."""
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
 def compile_fallback_report() -> str | None:
     """:func:`compile_fallbacks` as one line (the three commonest reasons); ``None`` where everything
     compiled whole."""

@@ -68,7 +68,7 @@ from fairseq import optim, utils
 from fairseq.logging import metrics
 from omegaconf import open_dict
 
-from torchscale_fairseq.architecture.compile_report import compile_fallback_report
+from torchscale_fairseq.architecture.compile_report import compilations, compile_fallback_report
 from torchscale_fairseq.architecture.padding_layout import mark_padding_layout, padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
@@ -255,7 +255,9 @@ class TsTrainer(ScheduledTrainer):
         self._applied: torch.Tensor | None = None  # whether its update applied (device 0/1)
         self._layout_pad = _shared_pad(task)  # padding layouts are found where it is known (_prepare_sample)
         self._train_iterator = None  # the last get_train_iterator's (consolidate_optimizer syncs its positions)
-        self._compile_report_pending = bool(getattr(cfg.model, "ts_compile", False))
+        self._ts_compile = bool(getattr(cfg.model, "ts_compile", False))
+        self._compile_report_pending = self._ts_compile
+        self._fallbacks_reported: str | None = None  # the last compile_fallback_report logged
 
     # data parallelism -------------------------------------------------------------
 
@@ -419,6 +421,23 @@ class TsTrainer(ScheduledTrainer):
 
     # pipeline parallelism -------------------------------------------------------------
 
+    def _report_compilations(self, compiled: int) -> None:
+        """``--ts-compile``: after the first update, whether every compiled function ran whole; after a later
+        update that compiled again (a recompile: the update waited for it), how many functions; and the
+        warning of :func:`compile_fallback_report` again whenever its counts grew (in training or validation)."""
+        report = compile_fallback_report()
+        if self._compile_report_pending:  # once, after this process's first update compiled the layers
+            self._compile_report_pending = False
+            if report is None:
+                logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
+                            "no function left eager)")
+        elif compiled:
+            logger.info(f"--ts-compile: update {self.get_num_updates()} compiled {compiled} function(s) again "
+                        "(a new input shape or mode; TORCH_LOGS=recompiles shows why)")
+        if report is not None and report != self._fallbacks_reported:
+            self._fallbacks_reported = report
+            logger.warning(f"--ts-compile: {report}")
+
     def _set_seed(self) -> None:
         seed = self.cfg.common.seed + self.get_num_updates() + PIPELINE_SEED_STRIDE * self.parallel.pipeline_rank
         utils.set_torch_seed(seed)
@@ -426,6 +445,7 @@ class TsTrainer(ScheduledTrainer):
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
         updates = self.get_num_updates()
+        compiled_before = compilations() if self._ts_compile else 0
         try:
             with no_gc_pause(), cpu_autocast(self.cfg.common.amp, self.device):
                 logging_output = super().train_step(samples, raise_oom)
@@ -433,14 +453,8 @@ class TsTrainer(ScheduledTrainer):
             discard_expert_loads(self._model)
             return self._skip_update(str(e))
         self.skipped_in_a_row = 0
-        if self._compile_report_pending:  # once, after this process's first update compiled the layers
-            self._compile_report_pending = False
-            report = compile_fallback_report()
-            if report is None:
-                logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
-                            "no function left eager)")
-            else:
-                logger.warning(f"--ts-compile: {report}")
+        if self._ts_compile:
+            self._report_compilations(compilations() - compiled_before)
         if self.get_num_updates() > updates:  # --moe-router-bias-update-rate: after the optimizer step
             update_expert_biases(self._model, self.data_parallel_process_group if self.data_parallel_world_size > 1
                                  else None, self._applied if self.device_skips is not None else None)
