@@ -37,14 +37,20 @@ grouped on a Hopper GPU in bf16, the loop elsewhere).
 ``--cuda-graphs both`` (CUDA, grouped GEMMs: the loop reads expert counts on the host) adds a twin of
 every step, the dense FFN's too, captured whole in a CUDA graph and timed as its replay (one launch);
 the twins are compared with the graphed dense FFN (metrics suffixed ``_cuda_graphs``).
+``--kernel-profile`` then profiles one run of the dense FFN and of each judged layer and prints where
+its device time goes, by kernel name (:func:`kernel_rows`): grouped GEMMs, other GEMMs, sorts / top-k /
+scans, index / scatter / gather, copies and the rest (elementwise and reductions, inductor's fused kernels).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import DTYPES, append_results, device_line, load_average, now
+from benchmarks.train_profile import GEMM, union_length
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import grouped_mm_fits
@@ -160,6 +167,62 @@ def launches(step) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
 
 
+KERNEL_ROWS = (  # the first that matches a kernel's name
+    ("grouped GEMM", re.compile(r"GroupProblemShape|grouped", re.I)),  # torch._grouped_mm's CUTLASS kernels
+    ("GEMM", GEMM),
+    ("sort, top-k, scan", re.compile(r"sort|topk|radix|scan|cumsum", re.I)),
+    ("index, scatter, gather", re.compile(r"index|scatter|gather", re.I)),
+)
+OTHER_KERNELS = "elementwise, reductions"
+COPIES = "copies"
+
+
+def kernel_rows(trace: dict) -> dict:
+    """Where one profiled run's device time goes, from its chrome trace (``prof.export_chrome_trace``):
+    ``rows`` maps each of :data:`KERNEL_ROWS` (by kernel name), ``copies`` (memcpy, memset and copy kernels) and
+    the rest to ``[ms, kernels]``; ``busy_ms`` is the time covered by any kernel (overlaps counted once)."""
+    rows: dict[str, list[float]] = {name: [0.0, 0] for name, _ in KERNEL_ROWS}
+    rows[COPIES], rows[OTHER_KERNELS] = [0.0, 0], [0.0, 0]
+    busy = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        busy.append((e["ts"], e["ts"] + e["dur"]))
+        name = e["name"]
+        if e["cat"] != "kernel" or re.search(r"copy_kernel|memcpy|memset", name, re.I):
+            row = COPIES
+        else:
+            row = next((label for label, pattern in KERNEL_ROWS if pattern.search(name)), OTHER_KERNELS)
+        rows[row][0] += e["dur"] / 1e3
+        rows[row][1] += 1
+    return {"kernels": sum(count for _, count in rows.values()), "busy_ms": union_length(busy) / 1e3, "rows": rows}
+
+
+def kernel_profile(step) -> dict:
+    """:func:`kernel_rows` of one run of ``step`` (after the runs already made: warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    _synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        _synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return kernel_rows(json.loads(path.read_text()))
+
+
+def print_kernel_table(profiles: dict[str, dict]) -> None:
+    """One row per profiled step: its kernels, device-busy ms and each row's ms (kernels)."""
+    labels = [label for label, _ in KERNEL_ROWS] + [COPIES, OTHER_KERNELS]
+    print("| step | kernels | device busy (ms) | " + " | ".join(f"{label} (ms, kernels)" for label in labels) + " |")
+    print("|---|---|---|" + "---|" * len(labels))
+    for name, p in profiles.items():
+        cells = " | ".join(f"{p['rows'][label][0]:.3f} ({p['rows'][label][1]})" for label in labels)
+        print(f"| {name} | {p['kernels']} | {p['busy_ms']:.3f} | {cells} |", flush=True)
+
+
 def _graphed_name(name):
     """The name of a step's CUDA-graph twin: ``dense`` or an ``(E, mode)`` key."""
     return name + GRAPHED if isinstance(name, str) else (name[0], name[1] + GRAPHED)
@@ -220,6 +283,9 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", default="off", choices=["off", "both"],
                         help="both: a twin of every step captured in a CUDA graph and replayed (CUDA, --expert-gemm "
                              "grouped; metrics suffixed _cuda_graphs)")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="after the timed runs, one profiled run of the dense FFN and of each judged layer: its "
+                             "device time by kind of kernel (a CPU has no device kernels: zeros)")
     args = parser.parse_args()
     if args.cuda_graphs == "both" and (args.device != "cuda" or args.expert_gemm != "grouped"):
         parser.error("--cuda-graphs both needs --device cuda and --expert-gemm grouped (the per-expert loop reads the "
@@ -312,6 +378,11 @@ def main() -> None:
         print(f"RESULT MoE layer ({variant}) / {scale:g}x dense FFN (median): "
               f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {target}: {verdict} "
               f"(worst E={worst})", flush=True)
+    if args.kernel_profile:
+        by_name = dict(zip(names, steps))
+        profiled = sorted({_dense_of(v) for v in variants}) + [(e, v) for v in variants for e in args.experts]
+        print_kernel_table({name if isinstance(name, str) else f"E={name[0]} {name[1]}": kernel_profile(by_name[name])
+                            for name in profiled})
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ ROWS = ("gemm", "attention", "norms_elementwise", "loss", "optimizer", "copies",
 STEP_RANGE = "ts_profiled_step"
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (overlaps counted once)."""
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
         if e <= end:
@@ -133,7 +134,7 @@ def summarise(trace: dict) -> dict[str, Any]:
             row = "norms_elementwise"
         rows[row] += ms
     step_ms = (hi - lo) / 1e3
-    busy_ms = _union_length(busy) / 1e3
+    busy_ms = union_length(busy) / 1e3
     rows["idle"] = step_ms - busy_ms
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS and lo <= e["ts"] <= hi]
     waits = [(e["ts"], e["ts"] + e["dur"]) for e in syncs]  # also the autograd thread's, which backward waits for
@@ -141,7 +142,7 @@ def summarise(trace: dict) -> dict[str, Any]:
     def host_ms(start: float, end: float) -> float:
         """Wall time of [start, end] less the sync calls' waits inside it (of any thread: the step's thread
         waits for the autograd engine's through ``backward``)."""
-        waited = _union_length([(max(s, start), min(e, end)) for s, e in waits if min(e, end) > max(s, start)])
+        waited = union_length([(max(s, start), min(e, end)) for s, e in waits if min(e, end) > max(s, start)])
         return (end - start - waited) / 1e3
 
     ranges: dict[str, float] = Counter()
