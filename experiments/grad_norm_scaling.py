@@ -3,6 +3,7 @@ norm, ``r = ||g_s|| / ||g_d||`` (fairseq's ``gnorm_expert`` / ``gnorm_dense``, l
 over runs named ``<prefix>_E<experts>_s<seed>`` that differ only in the expert count.
 
     python experiments/grad_norm_scaling.py /tmp/results-work/runs/clipscale_E*_s* [--plot out.png]
+    python experiments/grad_norm_scaling.py --records docs/results/clip/norm_ratio_runs.jsonl   # the committed runs
 
 Per expert count: ``r`` averaged over updates 1-10 (early) and over the last 10 logged updates (late),
 mean ± std (min-max) over seeds, and the share of the experts in SparseClip's squared norm,
@@ -15,6 +16,7 @@ bars, the fitted lines).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import statistics
@@ -34,7 +36,12 @@ EXTRAPOLATE = (1024, 4096)
 
 def ratios(run_dir: Path) -> tuple[float, float]:
     """(early, late) mean of ``gnorm_expert / gnorm_dense`` over the first and last WINDOW updates."""
-    records = plot_logs.training_records(plot_logs.parse_log(run_dir / "train.log"))
+    return ratios_of(plot_logs.training_records(plot_logs.parse_log(run_dir / "train.log")), str(run_dir))
+
+
+def ratios_of(records: Sequence[dict], name: str) -> tuple[float, float]:
+    """:func:`ratios` of one run's logged updates (a run directory's log records, or a ``runs.jsonl``
+    line's ``train`` list)."""
     values = []
     for r in records:
         try:
@@ -44,7 +51,7 @@ def ratios(run_dir: Path) -> tuple[float, float]:
         if dense > 0 and math.isfinite(expert):
             values.append(expert / dense)
     if len(values) < 2 * WINDOW:
-        raise SystemExit(f"{run_dir}: {len(values)} updates with gnorm_dense/gnorm_expert, need {2 * WINDOW} "
+        raise SystemExit(f"{name}: {len(values)} updates with gnorm_dense/gnorm_expert, need {2 * WINDOW} "
                          "(train with SparseClip and --log-interval 1)")
     return statistics.fmean(values[:WINDOW]), statistics.fmean(values[-WINDOW:])
 
@@ -66,15 +73,25 @@ def expert_share(r: float, experts: int) -> float:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories <prefix>_E<experts>_s<seed>")
+    parser.add_argument("runs", nargs="*", type=Path, help="run directories <prefix>_E<experts>_s<seed>")
+    parser.add_argument("--records", type=Path,
+                        help="read the runs from this runs.jsonl (aggregate.py --runs-jsonl) instead of run directories")
     parser.add_argument("--plot", type=Path, help="write the log-log plot of r against E here (PNG)")
     args = parser.parse_args(argv)
+    if bool(args.runs) == bool(args.records):
+        parser.error("give run directories or --records runs.jsonl (one of the two)")
+    if args.records:
+        lines = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+        runs = [(line["run"], line["train"]) for line in lines]
+    else:
+        runs = [(run_dir.name, run_dir) for run_dir in args.runs]
     by_experts: dict[int, list[tuple[float, float]]] = {}
-    for run_dir in args.runs:
-        match = RUN_NAME.match(run_dir.name)
+    for name, run in runs:
+        match = RUN_NAME.match(name)
         if match is None:
-            raise SystemExit(f"{run_dir.name}: not named <prefix>_E<experts>_s<seed>")
-        by_experts.setdefault(int(match["experts"]), []).append(ratios(run_dir))
+            raise SystemExit(f"{name}: not named <prefix>_E<experts>_s<seed>")
+        by_experts.setdefault(int(match["experts"]), []).append(ratios(run) if isinstance(run, Path)
+                                                                 else ratios_of(run, name))
     counts = sorted(by_experts)
     print("| experts | seeds | r early (updates 1-10) | r late (last 10) | experts' share of the SparseClip norm^2, late (%) |")
     print("|---|---|---|---|---|")

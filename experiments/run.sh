@@ -282,8 +282,8 @@ clipscale() {
 clipscale_plots() {  # section 8's table and plot, and the runs behind them (every update's gnorm_dense / gnorm_expert)
   mkdir -p "$RESULTS/clip"
   python experiments/aggregate.py --moe "$RUNS"/clipscale_E*_s[0-9]*/ --runs-jsonl "$RESULTS/clip/norm_ratio_runs.jsonl" >/dev/null
-  python experiments/grad_norm_scaling.py "$RUNS"/clipscale_E*_s[0-9]*/ --plot "$RESULTS/clip/norm_ratio_vs_experts.png" \
-    | tee "$RESULTS/clip/norm_ratio_vs_experts.md"
+  python experiments/grad_norm_scaling.py --records "$RESULTS/clip/norm_ratio_runs.jsonl" \
+    --plot "$RESULTS/clip/norm_ratio_vs_experts.png" | tee "$RESULTS/clip/norm_ratio_vs_experts.md"
 }
 
 # Dense vs X-MoE NMT at the same FLOPs per token (paper 2.2, Fig. 2): top-1 routing sends each token

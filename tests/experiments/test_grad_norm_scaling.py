@@ -45,3 +45,18 @@ def test_too_few_updates_is_one_line(tmp_path: Path) -> None:
     run = _run(tmp_path, "cs_E8_s1", [0.5] * 5)
     with pytest.raises(SystemExit, match="5 updates with gnorm_dense/gnorm_expert, need 20"):
         grad_norm_scaling.ratios(run)
+
+
+def test_the_committed_table_follows_from_its_committed_runs(capsys) -> None:
+    """docs/results.md section 8: the table in docs/results/clip/norm_ratio_vs_experts.md is what the runs in
+    norm_ratio_runs.jsonl (every update's logged norms) give."""
+    results = REPO / "docs" / "results" / "clip"
+    grad_norm_scaling.main(["--records", str(results / "norm_ratio_runs.jsonl")])
+    assert capsys.readouterr().out == (results / "norm_ratio_vs_experts.md").read_text()
+
+
+def test_runs_come_from_directories_or_records_not_both(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        grad_norm_scaling.main([])
+    with pytest.raises(SystemExit):
+        grad_norm_scaling.main([str(_run(tmp_path, "cs_E8_s1", [1.0] * 20)), "--records", str(tmp_path / "r.jsonl")])
