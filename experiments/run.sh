@@ -143,7 +143,8 @@ stability_search() {
 }
 # stability_report: the outcome table and lr_max against depth over every run recorded in
 # docs/results/stability/runs.jsonl (the stab_* runs in $RUNS are added to it first, so runs made on
-# several machines add up), then the validation curves per depth and lr of the runs in $RUNS.
+# several machines add up), then the validation curves per depth and lr of the runs in $RUNS, and their
+# runs (runs_L<layers>_lr<lr>.jsonl: validations, training loss and gradient norm per logged update).
 stability_report() {
   local out="$RESULTS/stability" layers lr runs
   mkdir -p "$out"
@@ -155,7 +156,8 @@ stability_report() {
     for lr in $STAB_LRS; do  # (a search runs only part of the grid)
       compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
       python experiments/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
-        --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band)" >/dev/null
+        --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band)" \
+        --runs-jsonl "$out/runs_L${layers}_lr${lr}.jsonl" >/dev/null  # every run's validations and logged updates
     done
   done
 }
