@@ -1,10 +1,16 @@
 """Lower one AOT graph dumped on the CPU (``TORCH_COMPILE_DEBUG=1``: its ``fx_graph_runnable.py``) with
 inductor for a stand-in CUDA sm_90 device on a machine without a GPU, save each Triton kernel's source and
-print inductor's own estimate of the bytes each moves (``kernel_num_gb``, written with ``benchmark_kernel``).
+print inductor's own estimate of the bytes each moves (``kernel_num_gb``, written with ``benchmark_kernel``),
+then the compiled graph's ``call``: its Triton launches and its other ops (GEMMs, ``extern_kernels``, and the
+PyTorch ops inductor falls back to, each one or more CUDA kernels); its wrapper code is saved as ``wrapper.py``.
 Nothing is compiled for or run on a device: the CUDA queries inductor makes are answered with an H200's
 properties, the inputs are fake tensors on ``cuda``, and the RNG seed prims of dropout become constants.
 
     python fake_sm90_traffic.py GRAPH_DIR OUT_DIR
+
+``SKIP_VIEW_SCATTER=1``: skip inductor's ``canonicalize_view_scatter_ops`` pass, which fails on the MoE layer's
+backward graph under these fake tensors ("can not broadcast torch.Size([1024]) to torch.Size([1024])"); it only
+changes how a ``select_scatter`` is written in place.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ def stand_in_device() -> None:
 
 def main(graph_dir: Path, out_dir: Path) -> None:
     stand_in_device()
+    if os.environ.get("SKIP_VIEW_SCATTER") == "1":
+        import torch._inductor.fx_passes.reinplace as reinplace
+
+        reinplace.canonicalize_view_scatter_ops = lambda graph: None
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels: list[str] = []
 
@@ -109,16 +119,22 @@ def main(graph_dir: Path, out_dir: Path) -> None:
         fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         graph_mode = torch._dynamo.utils.detect_fake_mode(fakes)
         with graph_mode, tracing(TracingContext(graph_mode)):
-            compile_fx_inner(gm, fakes)
+            compiled = compile_fx_inner(gm, fakes)
     else:
         with mode, tracing(TracingContext(mode)):
-            compile_fx_inner(make_fx(repro.mod, tracing_mode="real")(*inputs), inputs)
+            compiled = compile_fx_inner(make_fx(repro.mod, tracing_mode="real")(*inputs), inputs)
     total = 0.0
     for name in kernels:
         gb = float(re.search(r"'kernel_num_gb': ([0-9.e-]+)", (out_dir / f"{name}.py").read_text()).group(1))
         total += gb
         print(f"{name} {gb:.6f} GB")
     print(f"{len(kernels)} kernels, {total:.6f} GB at the traced shapes")
+    (out_dir / "wrapper.py").write_text(compiled.source_code)
+    body = compiled.source_code.split("    def call(self, args):")[1].split("\ndef ")[0]
+    lines = [line.strip() for line in body.splitlines() if not line.strip().startswith(("#", "assert_"))]
+    others = [re.sub(r"\(.*", "", line.split("= ")[-1]) for line in lines
+              if re.search(r"extern_kernels\.|aten\.|torch\.ops\.", line)]
+    print(f"call(): {sum('.run(' in line for line in lines)} Triton launches, {len(others)} other ops: {', '.join(others)}")
 
 
 if __name__ == "__main__":

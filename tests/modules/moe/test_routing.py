@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
-from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity
+from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity, expert_counts
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.gating import Routing, expert_choice_routing, top_k_routing
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -43,6 +43,13 @@ def test_capacity_formula():
     assert expert_capacity(100, 8, 1, 1.25) == math.ceil(1.25 * 100 / 8)
     assert expert_capacity(100, 8, 2, 0.0) == 100
     assert expert_capacity(10, 2, 2, 4.0) == 10
+
+
+def test_expert_counts_are_int32_counts():
+    """int32 (which inductor adds atomically in its own kernel), equal to Python's count, empty experts 0."""
+    expert = torch.tensor([2, 0, 2, 1, 0, 2, 4])
+    counts = expert_counts(expert, 6)
+    assert counts.dtype == torch.int32 and counts.tolist() == [expert.tolist().count(e) for e in range(6)]
 
 
 def test_slots_rank_within_expert_in_order():

@@ -26,15 +26,21 @@ def expert_capacity(num_tokens: int | torch.Tensor, num_experts: int, top_k: int
     return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
+def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``expert``'s entries name each of ``num_experts`` experts, int32: an ``index_add``, not
+    ``bincount``, whose output size would be read on the host; in int32, not int64, which inductor cannot add
+    atomically (it falls back to PyTorch's ``index_put_``, which on CUDA sorts the indices first)."""
+    return torch.zeros(num_experts, dtype=torch.int32, device=expert.device).index_add_(
+        0, expert, torch.ones_like(expert, dtype=torch.int32))
+
+
 def assign_slots(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rank of every assignment within its expert, in the given (priority) order (counts by
-    ``index_add``, not ``bincount``, whose output size would be read on the host)."""
+    """Rank of every assignment within its expert, in the given (priority) order."""
     if expert.numel() == 0:
         return expert.clone()
-    order = torch.sort(expert, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=expert.dtype, device=expert.device).index_add_(
-        0, expert, torch.ones_like(expert))
-    starts = torch.cumsum(counts, 0) - counts
+    order = torch.sort(expert.int(), stable=True).indices  # int32 keys: on CUDA half the radix passes of int64's
+    counts = expert_counts(expert, num_experts)
+    starts = torch.cumsum(counts, 0) - counts  # int64: cumsum promotes
     slot = torch.empty_like(expert)
     slot[order] = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
     return slot

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity
+from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity, expert_counts
 
 
 @dataclass
@@ -79,12 +79,12 @@ def dispatch_plan(routing: Routing, num_experts: int) -> DispatchPlan:
     expert with the unkept last."""
     kept = routing.kept
     expert = torch.where(kept, routing.expert, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=kept.device).index_add_(
-        0, expert, torch.ones_like(expert))
-    starts = torch.cumsum(counts, 0) - counts
+    counts = expert_counts(expert, num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts  # int64: cumsum promotes
     unkept_rank = torch.cumsum(~kept, 0) - 1
     row = torch.where(kept, starts[expert] + routing.slot, starts[num_experts] + unkept_rank)
-    token = torch.empty_like(routing.token).scatter_(0, row, routing.token)
+    # int32 token ids: inductor scatters them in its own kernel (int64 values fall back to PyTorch's scatter_)
+    token = torch.empty_like(routing.token, dtype=torch.int32).scatter_(0, row, routing.token.int())
     gate = torch.empty_like(routing.gate).scatter_(0, row, routing.gate)
     return DispatchPlan(token, gate, counts[:num_experts])
 

@@ -88,6 +88,7 @@ from torchscale_fairseq.modules.moe.balance import (
     router_z_loss,
     routing_stats,
 )
+from torchscale_fairseq.modules.moe.capacity import expert_counts
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -336,10 +337,9 @@ class MoELayer(nn.Module):
         expert reads the counts on the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
         expert = torch.where(routing.kept, routing.expert, num_experts)
-        order = torch.sort(expert, stable=True).indices
+        order = torch.sort(expert.int(), stable=True).indices  # int32 keys, as assign_slots
         token = routing.token[order]
-        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=tokens.device).index_add_(
-            0, expert, torch.ones_like(expert))[:num_experts]
+        counts = expert_counts(expert, num_experts + 1)[:num_experts]
         # split experts: f of the column-parallel fc1 on the (fewer) tokens rather than the rows
         source = copy_to_tensor_parallel_region(tokens, self.experts.tp_group)
         out = self.run_experts(source.index_select(0, token), counts, memo)
