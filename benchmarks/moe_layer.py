@@ -221,6 +221,9 @@ def print_kernel_table(profiles: dict[str, dict]) -> None:
     for name, p in profiles.items():
         cells = " | ".join(f"{p['rows'][label][0]:.3f} ({p['rows'][label][1]})" for label in labels)
         print(f"| {name} | {p['kernels']} | {p['busy_ms']:.3f} | {cells} |", flush=True)
+    if torch.cuda.is_available() and any(p["kernels"] == 0 for p in profiles.values()):
+        print("note: a step above recorded no kernel (the profiler did not see its kernels, e.g. inside a CUDA "
+              "graph's replay): its row is not its device time", flush=True)
 
 
 def _graphed_name(name):

@@ -13,7 +13,8 @@ diverged (summarize.py's definitions).
 layers) at the final validation and in the last training interval, and the dropped fraction of
 assignments (``moe_drop``) in the last training interval and averaged over the training intervals
 (validation never drops: ``--moe-eval-capacity-factor 0``).
-``--runs-jsonl FILE`` writes the data behind the table and the prose that quotes single runs: one
+``--runs-jsonl FILE`` writes the data behind the table and the prose that quotes single runs (``--merge``: into
+the runs FILE already holds, replacing those given again): one
 JSON line per run (:func:`run_record`: the table's numbers, with ``--moe`` the MoE ones, every
 validation's perplexity, every logged interval's loss, gradient norm and its dense / expert parts,
 clipping and learning rate, and the test outputs' counts).
@@ -210,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--title", help="plot title (default: the metric)")
     parser.add_argument("--runs-jsonl", type=Path, help="write one JSON line per run: the table's numbers, every "
                         "validation's perplexity and every logged interval (the data behind the table)")
+    parser.add_argument("--merge", action="store_true", help="with --runs-jsonl: keep the file's lines of the runs "
+                        "not given (runs made on other machines), replacing those of the runs given")
     args = parser.parse_args(argv)
     runs = [d for d in args.runs if (d / "train.log").is_file()]
     for d in sorted(set(args.runs) - set(runs)):
@@ -220,7 +223,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n".join(table(groups, args.moe)))
     if args.runs_jsonl:
         args.runs_jsonl.parent.mkdir(parents=True, exist_ok=True)
-        args.runs_jsonl.write_text("".join(json.dumps(run_record(d, args.moe), allow_nan=False) + "\n" for d in runs))
+        lines = {}
+        if args.merge and args.runs_jsonl.is_file():
+            lines = {json.loads(line)["run"]: line for line in args.runs_jsonl.read_text().splitlines() if line.strip()}
+        for d in runs:
+            lines[d.name] = json.dumps(run_record(d, args.moe), allow_nan=False)
+        args.runs_jsonl.write_text("".join(line + "\n" for line in lines.values()))
     if args.plot and not plot(groups, args.metric, args.plot, args.title):
         sys.exit(f"error: no run logged {args.metric!r}; nothing drawn")
 

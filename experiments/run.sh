@@ -157,7 +157,7 @@ stability_report() {
       compgen -G "$RUNS/stab_*_L${layers}_lr${lr}_s[0-9]*/" > /dev/null || continue
       python experiments/aggregate.py "$RUNS"/stab_*_L"${layers}"_lr"${lr}"_s[0-9]*/ --plot "$out/valid_ppl_L${layers}_lr${lr}.png" \
         --metric valid_ppl --title "valid ppl, $layers layers, lr $lr (mean, min-max band)" \
-        --runs-jsonl "$out/runs_L${layers}_lr${lr}.jsonl" >/dev/null  # every run's validations and logged updates
+        --runs-jsonl "$out/runs_L${layers}_lr${lr}.jsonl" --merge >/dev/null  # every run's validations and updates
     done
   done
 }

@@ -323,13 +323,13 @@ def test_fairseq_train_says_the_layers_compiled_whole(lm_data, tmp_path):
     log = out.stdout + out.stderr
     assert log.count("--ts-compile: the first update ran every compiled function whole") == 1, log[-3000:]
     assert "torch.compile ran" not in log
-    assert "again (a new input shape" not in log  # every update after the first ran what the first compiled
+    assert "new graph(s)" not in log  # every update after the first ran what the first compiled
 
 
 def test_fairseq_train_says_when_a_later_update_compiles_again(lm_data, tmp_path):
     """A later update that compiles again (here: sentences of other lengths than the first batch's, under
     ``--sample-break-mode eos``, recompile the layer with a dynamic length) is named with the number of
-    functions compiled; a run of fixed-length blocks names none (the test above)."""
+    graphs compiled; a run of fixed-length blocks names none (the test above)."""
     import re
 
     from tests.helpers.cli_utils import LM_TRAIN, USER_DIR, run, tool
@@ -339,6 +339,6 @@ def test_fairseq_train_says_when_a_later_update_compiles_again(lm_data, tmp_path
                "--no-save", *args, "--ts-compile", "--decoder-layers", "1", "--save-dir", str(tmp_path)])
     log = out.stdout + out.stderr
     assert log.count("--ts-compile: the first update ran every compiled function whole") == 1, log[-3000:]
-    again = re.findall(r"--ts-compile: update (\d+) compiled (\d+) function\(s\) again", log)
+    again = re.findall(r"--ts-compile: update (\d+) compiled (\d+) new graph\(s\)", log)
     assert again and all(int(update) > 1 and int(count) >= 1 for update, count in again), log[-3000:]
     assert "torch.compile ran" not in log

@@ -137,3 +137,18 @@ def test_runs_jsonl_is_strict_json_with_the_moe_columns(tmp_path: Path) -> None:
     assert line["loss_final"] is None and line["train"][1] == {"update": 2, "loss": None}
     assert line["cv_valid"] == pytest.approx(0.2) and line["cv_train"] == pytest.approx(0.4)
     assert line["drop_train"] == pytest.approx(0.3) and line["drop_mean"] == pytest.approx(0.2)
+
+
+def test_runs_jsonl_merge_keeps_other_runs_and_replaces_the_given(tmp_path: Path) -> None:
+    """--merge: the file's lines of runs not given stay (runs made elsewhere), a run given again is replaced."""
+    out = tmp_path / "runs.jsonl"
+    first = [_run(tmp_path, f"deep_s{seed}", [400.0 + seed], [9.0]) for seed in (1, 2)]
+    aggregate.main([*map(str, first), "--runs-jsonl", str(out)])
+    again = tmp_path / "again"
+    again.mkdir()
+    second = [_run(again, f"deep_s{seed}", [300.0 + seed], [8.0]) for seed in (2, 3)]
+    aggregate.main([*map(str, second), "--runs-jsonl", str(out), "--merge"])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["run"], r["ppl_final"]) for r in lines] == [("deep_s1", 401.0), ("deep_s2", 302.0), ("deep_s3", 303.0)]
+    aggregate.main([*map(str, second), "--runs-jsonl", str(out)])  # without --merge: the runs given only
+    assert [json.loads(line)["run"] for line in out.read_text().splitlines()] == ["deep_s2", "deep_s3"]

@@ -24,9 +24,10 @@ def compile_fallbacks() -> dict[str, Any]:
             "reasons": dict(reasons.most_common())}
 
 
-def compilations() -> int:
-    """Functions dynamo has compiled so far, recompilations included (its ``frames`` counter)."""
-    return torch._dynamo.utils.counters["frames"]["total"]
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled so far, a recompilation's included (``stats.unique_graphs``; not ``frames``,
+    which also counts the frames dynamo only looks at and skips)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def compile_fallback_report() -> str | None:

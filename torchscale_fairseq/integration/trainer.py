@@ -68,7 +68,7 @@ from fairseq import optim, utils
 from fairseq.logging import metrics
 from omegaconf import open_dict
 
-from torchscale_fairseq.architecture.compile_report import compilations, compile_fallback_report
+from torchscale_fairseq.architecture.compile_report import compile_fallback_report, compiled_graphs
 from torchscale_fairseq.architecture.padding_layout import mark_padding_layout, padding_layout
 from torchscale_fairseq.architecture.pipeline_stage import pipeline_names
 from torchscale_fairseq.checkpoints.layout import RECORD_KEY, checkpoint_suffix, split_suffix
@@ -258,6 +258,7 @@ class TsTrainer(ScheduledTrainer):
         self._ts_compile = bool(getattr(cfg.model, "ts_compile", False))
         self._compile_report_pending = self._ts_compile
         self._fallbacks_reported: str | None = None  # the last compile_fallback_report logged
+        self._graphs_unreported = 0  # graphs compiled in skipped updates since the last report
 
     # data parallelism -------------------------------------------------------------
 
@@ -421,19 +422,21 @@ class TsTrainer(ScheduledTrainer):
 
     # pipeline parallelism -------------------------------------------------------------
 
-    def _report_compilations(self, compiled: int) -> None:
-        """``--ts-compile``: after the first update, whether every compiled function ran whole; after a later
-        update that compiled again (a recompile: the update waited for it), how many functions; and the
-        warning of :func:`compile_fallback_report` again whenever its counts grew (in training or validation)."""
+    def _report_compilations(self, graphs: int) -> None:
+        """``--ts-compile``, after an update that made ``graphs`` compiled graphs: after the first, whether every
+        compiled function ran whole; after a later one that compiled (a recompile or a new code path: the update
+        waited for it), how many graphs, those of skipped updates since the last report included; and the warning
+        of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update)."""
+        graphs, self._graphs_unreported = graphs + self._graphs_unreported, 0
         report = compile_fallback_report()
         if self._compile_report_pending:  # once, after this process's first update compiled the layers
             self._compile_report_pending = False
             if report is None:
                 logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
                             "no function left eager)")
-        elif compiled:
-            logger.info(f"--ts-compile: update {self.get_num_updates()} compiled {compiled} function(s) again "
-                        "(a new input shape or mode; TORCH_LOGS=recompiles shows why)")
+        elif graphs > 0:
+            logger.info(f"--ts-compile: update {self.get_num_updates()} compiled {graphs} new graph(s) (a recompile for "
+                        "a new input shape or mode, or a new code path; TORCH_LOGS=recompiles shows why)")
         if report is not None and report != self._fallbacks_reported:
             self._fallbacks_reported = report
             logger.warning(f"--ts-compile: {report}")
@@ -445,16 +448,18 @@ class TsTrainer(ScheduledTrainer):
     @metrics.aggregate("train")
     def train_step(self, samples, raise_oom: bool = False):
         updates = self.get_num_updates()
-        compiled_before = compilations() if self._ts_compile else 0
+        graphs_before = compiled_graphs() if self._ts_compile else 0
         try:
             with no_gc_pause(), cpu_autocast(self.cfg.common.amp, self.device):
                 logging_output = super().train_step(samples, raise_oom)
         except SkippedUpdate as e:
+            if self._ts_compile:
+                self._graphs_unreported += compiled_graphs() - graphs_before
             discard_expert_loads(self._model)
             return self._skip_update(str(e))
         self.skipped_in_a_row = 0
         if self._ts_compile:
-            self._report_compilations(compilations() - compiled_before)
+            self._report_compilations(compiled_graphs() - graphs_before)
         if self.get_num_updates() > updates:  # --moe-router-bias-update-rate: after the optimizer step
             update_expert_biases(self._model, self.data_parallel_process_group if self.data_parallel_world_size > 1
                                  else None, self._applied if self.device_skips is not None else None)
