@@ -422,25 +422,6 @@ class TsTrainer(ScheduledTrainer):
 
     # pipeline parallelism -------------------------------------------------------------
 
-    def _report_compilations(self, graphs: int) -> None:
-        """``--ts-compile``, after an update that made ``graphs`` compiled graphs: after the first, whether every
-        compiled function ran whole; after a later one that compiled (a recompile or a new code path: the update
-        waited for it), how many graphs, those of skipped updates since the last report included; and the warning
-        of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update)."""
-        graphs, self._graphs_unreported = graphs + self._graphs_unreported, 0
-        report = compile_fallback_report()
-        if self._compile_report_pending:  # once, after this process's first update compiled the layers
-            self._compile_report_pending = False
-            if report is None:
-                logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
-                            "no function left eager)")
-        elif graphs > 0:
-            logger.info(f"--ts-compile: update {self.get_num_updates()} compiled {graphs} new graph(s) (a recompile for "
-                        "a new input shape or mode, or a new code path; TORCH_LOGS=recompiles shows why)")
-        if report is not None and report != self._fallbacks_reported:
-            self._fallbacks_reported = report
-            logger.warning(f"--ts-compile: {report}")
-
     def _set_seed(self) -> None:
         seed = self.cfg.common.seed + self.get_num_updates() + PIPELINE_SEED_STRIDE * self.parallel.pipeline_rank
         utils.set_torch_seed(seed)
@@ -473,6 +454,25 @@ class TsTrainer(ScheduledTrainer):
         if self.device_skips is not None:  # the skips since the last report come before validation's lines
             self._report_device_skips()
         super().begin_valid_epoch(epoch)
+
+    def _report_compilations(self, graphs: int) -> None:
+        """``--ts-compile``, after an update that made ``graphs`` compiled graphs: after the first, whether every
+        compiled function ran whole; after a later one that compiled (a recompile or a new code path: the update
+        waited for it), how many graphs, those of skipped updates since the last report included; and the warning
+        of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update)."""
+        graphs, self._graphs_unreported = graphs + self._graphs_unreported, 0
+        report = compile_fallback_report()
+        if self._compile_report_pending:  # once, after this process's first update compiled the layers
+            self._compile_report_pending = False
+            if report is None:
+                logger.info("--ts-compile: the first update ran every compiled function whole (no graph break, "
+                            "no function left eager)")
+        elif graphs > 0:
+            logger.info(f"--ts-compile: update {self.get_num_updates()} compiled {graphs} new graph(s) (a recompile for "
+                        "a new input shape or mode, or a new code path; TORCH_LOGS=recompiles shows why)")
+        if report is not None and report != self._fallbacks_reported:
+            self._fallbacks_reported = report
+            logger.warning(f"--ts-compile: {report}")
 
     def _report_device_skips(self) -> None:
         """The sync-free step's skips since the last report (one host read): a log line, and
