@@ -34,14 +34,14 @@ WINDOW = 10  # updates averaged at the start and at the end
 EXTRAPOLATE = (1024, 4096)
 
 
-def ratios(run_dir: Path) -> tuple[float, float]:
-    """(early, late) mean of ``gnorm_expert / gnorm_dense`` over the first and last WINDOW updates."""
-    return ratios_of(plot_logs.training_records(plot_logs.parse_log(run_dir / "train.log")), str(run_dir))
+def run_records(run_dir: Path) -> list[dict]:
+    """A run directory's logged training records."""
+    return plot_logs.training_records(plot_logs.parse_log(run_dir / "train.log"))
 
 
-def ratios_of(records: Sequence[dict], name: str) -> tuple[float, float]:
-    """:func:`ratios` of one run's logged updates (a run directory's log records, or a ``runs.jsonl``
-    line's ``train`` list)."""
+def ratios(records: Sequence[dict], name: str) -> tuple[float, float]:
+    """(early, late) mean of ``gnorm_expert / gnorm_dense`` over the first and last WINDOW updates of one run's
+    logged records (:func:`run_records`, or a ``runs.jsonl`` line's ``train`` list)."""
     values = []
     for r in records:
         try:
@@ -84,14 +84,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         lines = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
         runs = [(line["run"], line["train"]) for line in lines]
     else:
-        runs = [(run_dir.name, run_dir) for run_dir in args.runs]
+        runs = [(d.name, run_records(d)) for d in args.runs]
     by_experts: dict[int, list[tuple[float, float]]] = {}
-    for name, run in runs:
+    for name, records in runs:
         match = RUN_NAME.match(name)
         if match is None:
             raise SystemExit(f"{name}: not named <prefix>_E<experts>_s<seed>")
-        by_experts.setdefault(int(match["experts"]), []).append(ratios(run) if isinstance(run, Path)
-                                                                 else ratios_of(run, name))
+        by_experts.setdefault(int(match["experts"]), []).append(ratios(records, name))
     counts = sorted(by_experts)
     print("| experts | seeds | r early (updates 1-10) | r late (last 10) | experts' share of the SparseClip norm^2, late (%) |")
     print("|---|---|---|---|---|")

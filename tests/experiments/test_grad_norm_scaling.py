@@ -30,7 +30,7 @@ def test_ratios_fit_and_share(tmp_path: Path, capsys) -> None:
     for e, r in law.items():
         for seed in (1, 2):
             runs.append(_run(tmp_path, f"cs_E{e}_s{seed}", [r * 2] * 10 + [r] * 15))  # early 2r, late r
-    assert grad_norm_scaling.ratios(runs[0]) == pytest.approx((0.6, 0.3))
+    assert grad_norm_scaling.ratios(grad_norm_scaling.run_records(runs[0]), "cs") == pytest.approx((0.6, 0.3))
     c, alpha = grad_norm_scaling.fit_power_law([(e, r) for e, r in law.items()])
     assert alpha == pytest.approx(0.5) and c == pytest.approx(0.3 / math.sqrt(8))
     assert grad_norm_scaling.expert_share(2.0, 4) == pytest.approx(0.5)  # kappa r = 1: half of the norm^2
@@ -44,7 +44,7 @@ def test_ratios_fit_and_share(tmp_path: Path, capsys) -> None:
 def test_too_few_updates_is_one_line(tmp_path: Path) -> None:
     run = _run(tmp_path, "cs_E8_s1", [0.5] * 5)
     with pytest.raises(SystemExit, match="5 updates with gnorm_dense/gnorm_expert, need 20"):
-        grad_norm_scaling.ratios(run)
+        grad_norm_scaling.ratios(grad_norm_scaling.run_records(run), run.name)
 
 
 def test_the_committed_table_follows_from_its_committed_runs(capsys) -> None:

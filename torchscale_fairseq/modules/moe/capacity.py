@@ -34,11 +34,17 @@ def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, expert, torch.ones_like(expert, dtype=torch.int32))
 
 
+def by_expert(expert: torch.Tensor) -> torch.Tensor:
+    """The stable order of ``expert``'s entries by expert, sorted as int32 keys (PyTorch's CUDA radix sort makes
+    one pass per 8 bits of the key's type: half those of int64)."""
+    return torch.sort(expert.int(), stable=True).indices
+
+
 def assign_slots(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rank of every assignment within its expert, in the given (priority) order."""
     if expert.numel() == 0:
         return expert.clone()
-    order = torch.sort(expert.int(), stable=True).indices  # int32 keys: on CUDA half the radix passes of int64's
+    order = by_expert(expert)
     counts = expert_counts(expert, num_experts)
     starts = torch.cumsum(counts, 0) - counts  # int64: cumsum promotes
     slot = torch.empty_like(expert)

@@ -88,7 +88,7 @@ from torchscale_fairseq.modules.moe.balance import (
     router_z_loss,
     routing_stats,
 )
-from torchscale_fairseq.modules.moe.capacity import expert_counts
+from torchscale_fairseq.modules.moe.capacity import by_expert, expert_counts
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.experts import GroupedExperts
 from torchscale_fairseq.modules.moe.gating import (
@@ -337,7 +337,7 @@ class MoELayer(nn.Module):
         expert reads the counts on the host anyway, and breaks a compiled graph there)."""
         num_experts = self.cfg.expert_count
         expert = torch.where(routing.kept, routing.expert, num_experts)
-        order = torch.sort(expert.int(), stable=True).indices  # int32 keys, as assign_slots
+        order = by_expert(expert)
         token = routing.token[order]
         counts = expert_counts(expert, num_experts + 1)[:num_experts]
         # split experts: f of the column-parallel fc1 on the (fewer) tokens rather than the rows
