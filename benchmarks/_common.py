@@ -67,6 +67,15 @@ def device_line(device: str) -> str:
 
 
 DATASHEET_BF16 = 989e12  # dense bf16 FLOP/s of the H100 SXM and the H200 (NVIDIA datasheets)
+# memory bandwidth in bytes/s by the name torch gives the GPU (NVIDIA datasheets): H200 HBM3e, H100 SXM HBM3
+DATASHEET_HBM = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
+
+
+def datasheet_hbm(device: str) -> Optional[float]:
+    """The datasheet memory bandwidth (bytes/s) of ``device``'s GPU; ``None`` on the CPU or a GPU not listed."""
+    if device != "cuda":
+        return None
+    return DATASHEET_HBM.get(torch.cuda.get_device_name(0))
 
 
 def git_commit() -> str:

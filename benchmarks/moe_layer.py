@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import DTYPES, append_results, device_line, load_average, now
+from benchmarks._common import DATASHEET_BF16, DTYPES, append_results, datasheet_hbm, device_line, load_average, now
 from benchmarks.train_profile import GEMM, union_length
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
@@ -255,6 +255,35 @@ def one_hot_step(layer: MoELayer, x: torch.Tensor):
     return step
 
 
+def expert_floor_ms(experts: torch.nn.Module, tokens: int, top_k: int, hbm: float) -> tuple[float, float]:
+    """The experts' forward + backward on the roofline, ms, as ``(compute, memory)``. Compute: ``3 x 2 T k`` times one
+    expert's weights at the datasheet bf16 rate. Memory: the forward reads every expert's weights, the backward reads
+    them again (``dX = dY W^T``) and writes their gradients (``dW = X^T dY``), so at least 3x the weights' bytes move
+    at the ``hbm`` bytes/s, whatever the kernels. Device time can be no less than the larger of the two."""
+    matrices = (experts.fc1_weight, experts.fc2_weight)
+    compute = 3 * 2 * tokens * top_k * sum(w[0].numel() for w in matrices) / DATASHEET_BF16
+    memory = 3 * sum(w.numel() * w.element_size() for w in matrices) / hbm
+    return compute * 1e3, memory * 1e3
+
+
+def print_floor_table(layers: dict, experts: list[int], mode: str, tokens: int, top_k: int, hbm: float | None,
+                      dense_name: str, dense_ms: float) -> None:
+    """Each E's roofline floor (:func:`expert_floor_ms`) and the ratio to the dense FFNs it bounds: no kernel can take
+    the layer below ``max(compute, memory) / dense_ms``."""
+    if hbm is None:
+        print("floor: no datasheet memory bandwidth for this device (benchmarks/_common.py DATASHEET_HBM): not computed")
+        return
+    print(f"floor at {DATASHEET_BF16 / 1e12:g} TFLOP/s and {hbm / 1e12:g} TB/s (datasheet), against the dense FFNs' "
+          f"{dense_ms:.3g} ms ({dense_name}, median)")
+    print("| E | expert weights (GB) | compute floor (ms) | weight-traffic floor (ms) | lowest possible ratio |")
+    print("|---|---|---|---|---|")
+    for e in experts:
+        weights = layers[(e, mode)].experts
+        compute, memory = expert_floor_ms(weights, tokens, top_k, hbm)
+        size = sum(w.numel() * w.element_size() for w in (weights.fc1_weight, weights.fc2_weight)) / 1e9
+        print(f"| {e} | {size:.3g} | {compute:.3g} | {memory:.3g} | {max(compute, memory) / dense_ms:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -381,6 +410,9 @@ def main() -> None:
         print(f"RESULT MoE layer ({variant}) / {scale:g}x dense FFN (median): "
               f"{', '.join(f'E={e} {r:.2f}' for e, r in ratios.items())}  target <= {target}: {verdict} "
               f"(worst E={worst})", flush=True)
+    dense_name = min((n for n in names if isinstance(n, str)), key=median.get)  # the graphed one where timed
+    print_floor_table(layers, args.experts, modes[0], args.tokens, args.top_k, datasheet_hbm(args.device), dense_name,
+                      scale * median[dense_name] * 1e3)
     if args.kernel_profile:
         by_name = dict(zip(names, steps))
         profiled = sorted({_dense_of(v) for v in variants}) + [(e, v) for v in variants for e in args.experts]

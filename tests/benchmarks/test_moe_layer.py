@@ -1,12 +1,18 @@
 """``benchmarks/moe_layer.py --kernel-profile``'s table against a profiled run worked out by hand: each kernel
 falls in its row by name (torch._grouped_mm's CUTLASS kernels, cuBLAS GEMMs, sorts / top-k / scans, index /
-scatter / gather kernels, copies, the rest), counted once, and device-busy time counts overlaps once."""
+scatter / gather kernels, copies, the rest), counted once, and device-busy time counts overlaps once. The roofline
+floor against its formula: ``6 T k`` FLOPs per expert weight, and 3 passes over the experts' weights."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from benchmarks.moe_layer import COPIES, OTHER_KERNELS, kernel_rows
+from benchmarks._common import datasheet_hbm
+from benchmarks.moe_layer import COPIES, OTHER_KERNELS, expert_floor_ms, kernel_rows, print_floor_table
+from torchscale_fairseq.modules.feedforward import FFNSpec
+from torchscale_fairseq.modules.moe.config import MoEConfig
+from torchscale_fairseq.modules.moe.layer import MoELayer
 
 GROUPED = ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal"
            "<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cutlass::gemm::collective::CollectiveMma")
@@ -38,3 +44,20 @@ def test_kernels_fall_in_their_rows_and_overlaps_count_once():
                     "index, scatter, gather": (0.035, 2), COPIES: (0.03, 2), OTHER_KERNELS: (0.1, 2)}
     assert got["kernels"] == 12
     assert got["busy_ms"] == pytest.approx(1.0 + 0.3 + 0.08 + 0.035 + 0.03 + 0.1 - 0.03)
+
+
+def test_floor_is_the_flops_and_three_passes_over_the_expert_weights(capsys):
+    experts, dim, ffn, tokens = 8, 64, 256, 1000
+    layer = MoELayer(MoEConfig(expert_count=experts, top_k=2, capacity_factor=1.0), FFNSpec(dim, ffn)).to(torch.bfloat16)
+    compute, memory = expert_floor_ms(layer.experts, tokens, 2, hbm=4.8e12)
+    assert compute == pytest.approx(3 * 2 * tokens * 2 * (dim * ffn + ffn * dim) / 989e12 * 1e3)
+    weight_bytes = experts * 2 * dim * ffn * 2  # bf16
+    assert memory == pytest.approx(3 * weight_bytes / 4.8e12 * 1e3)
+    print_floor_table({(experts, "grouped"): layer}, [experts], "grouped", tokens, 2, 4.8e12, "dense",
+                      max(compute, memory) / 2)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"| {experts} | {weight_bytes / 1e9:.3g} | {compute:.3g} | {memory:.3g} | 2.00 |")
+
+
+def test_floor_needs_a_listed_device():
+    assert datasheet_hbm("cpu") is None
