@@ -213,9 +213,8 @@ def _grouped_linear_backward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: t
                              needs: tuple[bool, ...]) -> tuple:
     """``(dx, dW, db)`` of :class:`GroupedLinear` (``ctx``: its groups, buffers, name and mode)."""
     need_dx, need_dw, need_db = needs
-    if ctx.grouped:
+    if ctx.grouped:  # the rows after the groups are in no GEMM: their gradient is never read
         groups = ctx.groups
-        grad = groups.mask(grad)
         dx = groups.mask(torch._grouped_mm(grad, weight.transpose(1, 2), offs=groups.offs)) if need_dx else None
         dw = torch._grouped_mm(x.t(), grad, offs=groups.offs) if need_dw else None  # empty groups: zero
         db = _sum_rows_by_expert(grad, groups) if need_db else None
@@ -399,16 +398,15 @@ class GroupedExperts(nn.Module):
         return out if total == rows.size(0) else torch.cat([out, out.new_zeros(rows.size(0) - total, out.size(1))])
 
     def combine(self, tokens: torch.Tensor, index: torch.Tensor, gate: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
+                groups: RowGroups) -> torch.Tensor:
         """``out_t = sum_{r: index_r = t} gate_r expert_{e_r}(tokens_t)`` (T, d) for rows grouped by expert
-        (``counts[e]`` rows for expert ``e``, then rows for no expert, gate 0) with grouped GEMMs: the
+        (``groups``: each expert's rows, then rows for no expert, gate 0) with grouped GEMMs: the
         gather inside fc1 (:class:`GatherGroupedLinear`) and the combine inside fc2
         (:class:`ScatterGroupedLinear`), no permuted copy of the tokens and no weighted copy of the
         rows. Whole experts only (no tensor-parallel split)."""
         if group_size(self.tp_group) > 1:
             raise ValueError("GroupedExperts.combine runs whole experts: split experts go through forward()")
         fc1, fc2 = self.fc1_weight.to(tokens.dtype), self.fc2_weight.to(tokens.dtype)
-        groups = RowGroups.of(counts, index.size(0))
         h = GatherGroupedLinear.apply(tokens, index, fc1, self.fc1_bias.to(tokens.dtype), groups)
         h = self._hidden(h, groups, True)
         return ScatterGroupedLinear.apply(h, fc2, self.fc2_bias.to(h.dtype), index, gate.to(h.dtype), tokens.size(0),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from torchscale_fairseq.modules.moe.capacity import assign_slots, expert_capacity, expert_counts
+from torchscale_fairseq.modules.moe.experts import RowGroups
 
 
 @dataclass
@@ -65,11 +66,13 @@ class Routing:
 class DispatchPlan:
     """The rows the experts compute, grouped by expert: row ``r`` is token ``token[r]`` with
     weight ``gate[r]``; ``counts[e]`` rows for expert ``e`` (the kept assignments), then the rest
-    (gate 0, computed by no expert). All ``T k`` rows, so the shapes never depend on the routing."""
+    (gate 0, computed by no expert). All ``T k`` rows, so the shapes never depend on the routing. ``groups``: the
+    same rows as the grouped GEMMs take them, made here so that a compiled routing makes them too."""
 
     token: torch.Tensor
     gate: torch.Tensor
     counts: torch.Tensor
+    groups: RowGroups
 
 
 def dispatch_plan(routing: Routing, num_experts: int) -> DispatchPlan:
@@ -86,7 +89,7 @@ def dispatch_plan(routing: Routing, num_experts: int) -> DispatchPlan:
     # int32 token ids: inductor scatters them in its own kernel (int64 values fall back to PyTorch's scatter_)
     token = torch.empty_like(routing.token, dtype=torch.int32).scatter_(0, row, routing.token.int())
     gate = torch.empty_like(routing.gate).scatter_(0, row, routing.gate)
-    return DispatchPlan(token, gate, counts[:num_experts])
+    return DispatchPlan(token, gate, counts[:num_experts], RowGroups.of(counts[:num_experts], row.numel()))
 
 
 def real_token_count(num_tokens: int, real: torch.Tensor | None) -> int | torch.Tensor:

@@ -330,7 +330,7 @@ class MoELayer(nn.Module):
         (:func:`~.gating.dispatch_plan`: no second sort) and :meth:`~.experts.GroupedExperts.combine` (the
         gather inside fc1, the weighted combine inside fc2)."""
         self._check_replay(plan.counts, memo)
-        return self.experts.combine(tokens, plan.token, plan.gate, plan.counts)
+        return self.experts.combine(tokens, plan.token, plan.gate, plan.groups)
 
     def _combine_stepwise(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None) -> torch.Tensor:
         """The steps one by one, the fused path's reference and the path of every other layout (one GEMM per
