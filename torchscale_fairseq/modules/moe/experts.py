@@ -239,8 +239,8 @@ def _sum_rows_by_expert(grad: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     in none): accumulated in fp32 and rounded once, as ``torch.sum`` in the loop, and the same sum on every run. An
     ``index_add_`` into E rows would add ``T k / E`` rows atomically into each (serialised on a GPU, in no set
     order), and CUDA's bf16 ``index_add_`` rounds after every row (3% off over 1,200 rows)."""
-    ones = grad.new_ones(grad.size(0), 8)  # 8 columns: torch._grouped_mm's operands have 16-byte rows
-    return torch._grouped_mm(ones.t(), grad, offs=groups.offs)[:, 0]
+    ones = grad.new_ones(grad.size(0), 8)[:, :1]  # one column 16 bytes apart, as torch._grouped_mm's strides must be
+    return torch._grouped_mm(ones.t(), grad, offs=groups.offs).view(-1, grad.size(1))  # (E, 1, d) -> contiguous (E, d)
 
 
 _GROUPED_MM_PROBES: dict[tuple, bool] = {}
