@@ -122,6 +122,33 @@ def test_bf16_expert_gemms_near_float64(grouped):
         assert _probe_grouped_mm(torch.device("cpu"), 512, 2048)
 
 
+@pytest.mark.parametrize("grouped", GROUPED)
+def test_expert_gemms_ignore_the_rows_after_the_groups(grouped):
+    """Rows after the groups (dropped and padding assignments): a sum's expanded gradient is taken, and a NaN gradient
+    on those rows reaches no result: their input gradient is zero, the others are float64's from the grouped rows."""
+    torch.manual_seed(5)
+    counts = [30, 0, 20]
+    x = torch.randn(60, 16, requires_grad=True)  # 10 rows after the groups
+    w = (torch.randn(3, 16, 8) / 4).requires_grad_()
+    b = torch.randn(3, 8, requires_grad=True)
+    run = (lambda: GroupedLinear.apply(x, w, b, counts, GradBuffers(), "fc", True)) if grouped else (
+        lambda: torch.cat([GroupedLinear.apply(x[:50], w, b, counts, GradBuffers(), "fc", False), x.new_zeros(10, 8)]))
+    run().sum().backward()  # the gradient of a sum comes expanded
+    grad = torch.randn(60, 8)
+    grad[50:] = float("nan")
+    for upstream in (torch.ones(60, 8), grad):
+        dx, dw, db = torch.autograd.grad(run(), (x, w, b), upstream)
+        expert = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+        g64, x64, w64 = upstream[:50].double(), x[:50].detach().double(), w.detach().double()
+        assert torch.equal(dx[50:], torch.zeros(10, 16))
+        for ours, ref in ((dx[:50], torch.einsum("nf,ndf->nd", g64, w64[expert])),
+                          (dw, torch.stack([x64[expert == e].t() @ g64[expert == e] for e in range(3)])),
+                          (db, torch.stack([g64[expert == e].sum(0) for e in range(3)]))):
+            assert torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(x.grad[:50].double(), torch.einsum("nf,ndf->nd", torch.ones(50, 8).double(),
+                                                             w.detach().double()[expert]), rtol=1e-5, atol=1e-5)
+
+
 def test_weight_gradients_across_steps_none_and_accumulated():
     """Step 2 after ``.grad = None`` reuses the weight-gradient memory; step 3 without
     clearing must accumulate. Both against the reference's gradients."""

@@ -215,6 +215,7 @@ def _grouped_linear_backward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: t
     need_dx, need_dw, need_db = needs
     if ctx.grouped:  # the rows after the groups are in no GEMM: their gradient is never read
         groups = ctx.groups
+        grad = grad.contiguous()  # torch._grouped_mm refuses an expanded gradient (a sum's)
         dx = groups.mask(torch._grouped_mm(grad, weight.transpose(1, 2), offs=groups.offs)) if need_dx else None
         dw = torch._grouped_mm(x.t(), grad, offs=groups.offs) if need_dw else None  # empty groups: zero
         db = _sum_rows_by_expert(grad, groups) if need_db else None
@@ -235,11 +236,9 @@ def _grouped_linear_backward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: t
 
 
 def _sum_rows_by_expert(grad: torch.Tensor, groups: RowGroups) -> torch.Tensor:
-    """``db_e = sum_r dy_r`` over the rows of expert ``e`` as the grouped GEMM ``1^T dY_e`` (the rows after the groups
-    in none): accumulated in fp32 and rounded once, as ``torch.sum`` in the loop, and the same sum on every run. An
-    ``index_add_`` into E rows would add ``T k / E`` rows atomically into each (serialised on a GPU, in no set
-    order), and CUDA's bf16 ``index_add_`` rounds after every row (3% off over 1,200 rows)."""
-    ones = grad.new_ones(grad.size(0), 8)[:, :1]  # one column 16 bytes apart, as torch._grouped_mm's strides must be
+    """``db_e = 1^T dY_e``, the rows of expert ``e`` summed as one grouped GEMM (the rows after the groups in none):
+    fp32 accumulators rounded once, as ``torch.sum`` in the loop, with no atomic adds (the same sum on every run)."""
+    ones = grad.new_ones(grad.size(0), 8)[:, :1]  # one column, rows 8 elements apart: strides of 16 bytes or more
     return torch._grouped_mm(ones.t(), grad, offs=groups.offs).view(-1, grad.size(1))  # (E, 1, d) -> contiguous (E, d)
 
 
