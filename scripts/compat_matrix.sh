@@ -93,6 +93,7 @@ for cell in "${CELLS[@]}"; do
   [ "$WORKERS" = 0 ] || pytest_args+=(-n "$WORKERS" --dist loadfile)
   echo "[compat_matrix] $name: pytest ${pytest_args[*]}; log $dir/pytest.log"
   start=$(date +%s)
+  started="$(python3 "$ROOT/scripts/compat_table.py" state)"  # the line names this tree, not the one at the end
   if (cd "$ROOT" && "$dir/venv/bin/python" -m pytest -p no:cacheprovider "${pytest_args[@]}") >"$dir/pytest.log" 2>&1; then
     result=passed
   else
@@ -103,7 +104,7 @@ for cell in "${CELLS[@]}"; do
   minutes="$(python3 -c "print($minutes / 60)")"
   echo "[compat_matrix] $name: $result ($(grep -E ' in [0-9.]+s' "$dir/pytest.log" | tail -1))"
   if [ -z "${PYTEST_ARGS:-}" ] || [ "${MATRIX_RECORD:-0}" = 1 ]; then
-    python3 "$ROOT/scripts/compat_table.py" record "$name" "$dir/venv" "$dir/pytest.log" "$minutes" "$WORKERS"
+    python3 "$ROOT/scripts/compat_table.py" record "$name" "$dir/venv" "$dir/pytest.log" "$minutes" "$WORKERS" "$started"
     # at once: the next cell's suite checks that the README's table equals the file
     python3 "$ROOT/scripts/compat_table.py" readme
   fi

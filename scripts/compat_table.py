@@ -2,7 +2,8 @@
 ``docs/compat/matrix.jsonl``, and the README's "Supported versions" table rendered from that file.
 
     python scripts/compat_table.py cells            # name|python|torch|numpy per line (compat_matrix.sh reads it)
-    python scripts/compat_table.py record CELL VENV PYTEST_LOG MINUTES WORKERS   # append the cell's line
+    python scripts/compat_table.py state            # the tree a cell is about to test (compat_matrix.sh reads it)
+    python scripts/compat_table.py record CELL VENV PYTEST_LOG MINUTES WORKERS STATE   # append the cell's line
     python scripts/compat_table.py readme           # rewrite README's table between the markers
     python scripts/compat_table.py check            # exit 1 when README's table differs from the file
 
@@ -12,6 +13,7 @@ has); ``compat_matrix.sh`` resolves it when the cell runs and the line records w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -82,20 +84,21 @@ print(json.dumps({"python": sys.version.split()[0], "torch": of("torch"), "numpy
 """
 
 
-def record(name: str, venv: str, pytest_log: str, minutes: str, workers: str) -> dict:
-    """The cell's line: when, which commit, what was installed, what pytest counted, how long."""
+def record(name: str, venv: str, pytest_log: str, minutes: str, workers: str, started: str) -> dict:
+    """The cell's line: when, which commit (``started``: :func:`tree_state` before pytest, whose commit the line
+    names; ``tree_changed`` when the tree differs from it at the end), what was installed, what pytest counted,
+    how long."""
     if name not in {cell.name for cell in CELLS}:
         raise SystemExit(f"[compat_table] error: unknown cell {name}: choose from {' '.join(c.name for c in CELLS)}")
     python = str(Path(venv) / "bin" / "python")
     versions = json.loads(subprocess.run([python, "-c", VERSIONS, str(Path(venv) / "transformers-floor")],
                                          check=True, capture_output=True, text=True).stdout)
-    git = ["git", "-C", str(ROOT)]
     line = {
         "cell": name,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "commit": subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], check=True, capture_output=True,
-                                 text=True).stdout.strip(),
-        "dirty": uncommitted(ROOT),
+        "commit": started.split()[0].rstrip("+"),
+        "dirty": started.split()[0].endswith("+"),
+        **({"tree_changed": True} if tree_state(ROOT) != started else {}),
         **versions,
         **pytest_counts(Path(pytest_log).read_text(errors="replace")),
         "minutes": round(float(minutes), 1),
@@ -130,6 +133,19 @@ def uncommitted(root: Path) -> bool:
     return without_table((root / "README.md").read_text()) != without_table(head)
 
 
+def tree_state(root: Path) -> str:
+    """What a cell tests, read before its run and after: HEAD's short hash, ``+`` where :func:`uncommitted`, and a
+    digest of the tracked files' differences from HEAD (README's generated table aside)."""
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    diff = subprocess.run([*git, "diff", "HEAD", "--", ".", ":(exclude)README.md"], check=True, capture_output=True,
+                          text=True).stdout
+    readme = root / "README.md"
+    text = diff + (without_table(readme.read_text()) if readme.exists() else "")
+    return f"{head}{'+' if uncommitted(root) else ''} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
 def lines() -> list[dict]:
     if not MATRIX.exists():
         return []
@@ -148,7 +164,8 @@ def table(records: list[dict]) -> str:
             rows.append(f"| {cell.name} | {cell.python} | {cell.torch} | {cell.numpy} | newest + floor "
                         "| not measured at HEAD | | |")
             continue
-        commit = r["commit"] + (" + uncommitted changes" if r["dirty"] else "")
+        commit = (r["commit"] + (" + uncommitted changes" if r["dirty"] else "")
+                  + (" (the tree changed during the run)" if r.get("tree_changed") else ""))
         rows.append(f"| {cell.name} | {r['python']} | {r['torch']} | {r['numpy']} | "
                     f"{r['transformers']} + {r['transformers_floor']} | {r['passed']} / {r['failed']} / {r['errors']} "
                     f"| {r['minutes']:g} min (TS_TEST_WORKERS={r['workers']}) | {r['date']}, {commit} |")
@@ -184,7 +201,9 @@ def main(argv: list[str]) -> int:
     command, *args = argv or ["help"]
     if command == "cells" and not args:
         print("\n".join(f"{c.name}|{c.python}|{c.torch}|{c.numpy}" for c in CELLS))
-    elif command == "record" and len(args) == 5:
+    elif command == "state" and not args:
+        print(tree_state(ROOT))
+    elif command == "record" and len(args) == 6:
         print(json.dumps(record(*args)))
     elif command in ("readme", "check") and not args:
         return sync_readme(command, BEGIN, END, table(lines()), "compat_table", "docs/compat/matrix.jsonl")

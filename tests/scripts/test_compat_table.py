@@ -93,3 +93,31 @@ def test_a_checkout_whose_only_change_is_the_generated_table_is_not_dirty(tmp_pa
     subprocess.run([*git, "checkout", "-q", "README.md"], check=True)
     (tmp_path / "code.py").write_text("x = 2\n")
     assert compat_table.uncommitted(tmp_path)
+
+
+def test_tree_state_names_what_a_cell_tests_and_sees_it_change(tmp_path):
+    """The state read before a cell's run names HEAD (``+`` with uncommitted changes) and changes with any edit or
+    commit during the run, the generated table aside; the README row says so when it did."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{compat_table.BEGIN}\n| old |\n{compat_table.END}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
+    clean = compat_table.tree_state(tmp_path)
+    assert clean.split()[0] == head
+    readme.write_text(f"intro\n{compat_table.BEGIN}\n| new |\n{compat_table.END}\n")
+    assert compat_table.tree_state(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    edited = compat_table.tree_state(tmp_path)
+    assert edited.split()[0] == head + "+" and edited != clean
+    (tmp_path / "code.py").write_text("x = 3\n")
+    assert compat_table.tree_state(tmp_path) not in (clean, edited)
+    subprocess.run([*git, "commit", "-qam", "d"], check=True)
+    assert compat_table.tree_state(tmp_path).split()[0] != head
+    line = {"cell": "newest", "date": "2026-12-01 01:00", "commit": head, "dirty": False, "tree_changed": True,
+            "python": "3.13.0", "torch": "2.15.0", "numpy": "2.5.5", "transformers": "5.24.0",
+            "transformers_floor": "5.0.0", "passed": 1, "failed": 0, "errors": 0, "minutes": 1.0, "workers": 2}
+    assert f"| 2026-12-01 01:00, {head} (the tree changed during the run) |" in compat_table.table([line])
