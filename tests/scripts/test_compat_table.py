@@ -75,16 +75,22 @@ def test_matrix_script_names_its_cells_and_refuses_unknown_ones():
                                    " ".join(c.name for c in compat_table.CELLS))
 
 
-def test_a_checkout_whose_only_change_is_the_generated_table_is_not_dirty(tmp_path):
-    """The matrix rewrites the README's table after each cell (the next cell's suite checks it): that
-    alone is no uncommitted change; any other edit, in the README or another tracked file, is."""
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
-    readme = tmp_path / "README.md"
+def _checkout(root: Path) -> tuple[list[str], Path]:
+    """A committed scratch checkout at ``root``: a README holding the generated table, and ``code.py``."""
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    readme = root / "README.md"
     readme.write_text(f"intro\n{compat_table.BEGIN}\n| old |\n{compat_table.END}\nrest\n")
-    (tmp_path / "code.py").write_text("x = 1\n")
+    (root / "code.py").write_text("x = 1\n")
     subprocess.run([*git[:3], "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    return git, readme
+
+
+def test_a_checkout_whose_only_change_is_the_generated_table_is_not_dirty(tmp_path):
+    """The matrix rewrites the README's table after each cell (the next cell's suite checks it): that
+    alone is no uncommitted change; any other edit, in the README or another tracked file, is."""
+    git, readme = _checkout(tmp_path)
     assert not compat_table.uncommitted(tmp_path)
     readme.write_text(f"intro\n{compat_table.BEGIN}\n| new row |\n| another |\n{compat_table.END}\nrest\n")
     assert not compat_table.uncommitted(tmp_path)
@@ -98,17 +104,11 @@ def test_a_checkout_whose_only_change_is_the_generated_table_is_not_dirty(tmp_pa
 def test_tree_state_names_what_a_cell_tests_and_sees_it_change(tmp_path):
     """The state read before a cell's run names HEAD (``+`` with uncommitted changes) and changes with any edit or
     commit during the run, the generated table aside; the README row says so when it did."""
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{compat_table.BEGIN}\n| old |\n{compat_table.END}\n")
-    (tmp_path / "code.py").write_text("x = 1\n")
-    subprocess.run([*git[:3], "init", "-q"], check=True)
-    subprocess.run([*git, "add", "."], check=True)
-    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    git, readme = _checkout(tmp_path)
     head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
     clean = compat_table.tree_state(tmp_path)
     assert clean.split()[0] == head
-    readme.write_text(f"intro\n{compat_table.BEGIN}\n| new |\n{compat_table.END}\n")
+    readme.write_text(f"intro\n{compat_table.BEGIN}\n| new |\n{compat_table.END}\nrest\n")
     assert compat_table.tree_state(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")
     edited = compat_table.tree_state(tmp_path)
