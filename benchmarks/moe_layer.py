@@ -119,6 +119,7 @@ def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
 
 
 ROUTED = ", compiled routing"  # the twin of a layer with --compiled-routing both
+EXPERTS = ", compiled experts"  # the twin of a grouped layer (and of its ROUTED twin) with --compiled-experts both
 GRAPHED = ", CUDA graphs"  # the twin of a step with --cuda-graphs both
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -231,6 +232,16 @@ def _graphed_name(name):
     return name + GRAPHED if isinstance(name, str) else (name[0], name[1] + GRAPHED)
 
 
+def twin_suffixes(compiled_routing: str, compiled_experts: str, mode: str) -> list[str]:
+    """The twins of a layer of ``mode`` (``grouped`` or ``loop``) that ``--compiled-routing`` and
+    ``--compiled-experts`` ask for (``both``), by the suffix of their names: the compiled experts take the
+    fused path of grouped GEMMs only."""
+    suffixes = [ROUTED] if compiled_routing == "both" else []
+    if compiled_experts == "both" and mode == "grouped":
+        suffixes += [suffix + EXPERTS for suffix in ["", *suffixes]]
+    return suffixes
+
+
 def _dense_of(mode: str) -> str:
     """The dense step a layer's ``mode`` is compared with: its graphed twin for a graphed layer."""
     return "dense" + GRAPHED if mode.endswith(GRAPHED) else "dense"
@@ -313,6 +324,11 @@ def main() -> None:
                         help="the MoE layers' routing compiled as one graph (--moe-compiled-routing on), eager (off), "
                              "or both: a twin of every layer with the same weights (metrics suffixed "
                              "_compiled_routing); for eager layers (--compile compiles the whole layer)")
+    parser.add_argument("--compiled-experts", default="off", choices=["off", "on", "both"],
+                        help="the grouped layers' gather, expert GEMMs and combine compiled as one graph "
+                             "(--moe-compiled-experts on), eager (off), or both: a twin of every grouped layer, and "
+                             "of its compiled-routing twin, with the same weights (metrics suffixed "
+                             "_compiled_experts); for eager layers")
     parser.add_argument("--cuda-graphs", default="off", choices=["off", "both"],
                         help="both: a twin of every step captured in a CUDA graph and replayed (CUDA, --expert-gemm "
                              "grouped; metrics suffixed _cuda_graphs)")
@@ -323,9 +339,11 @@ def main() -> None:
     if args.cuda_graphs == "both" and (args.device != "cuda" or args.expert_gemm != "grouped"):
         parser.error("--cuda-graphs both needs --device cuda and --expert-gemm grouped (the per-expert loop reads the "
                      "expert counts on the host, which a graph cannot replay)")
-    if args.compile != "none" and args.compiled_routing != "off":
-        parser.error(f"--compiled-routing {args.compiled_routing} is for eager layers: --compile {args.compile} "
-                     "compiles the routing with the whole layer (drop one of them)")
+    for flag, value, part in (("routing", args.compiled_routing, "routing"),
+                              ("experts", args.compiled_experts, "experts")):
+        if args.compile != "none" and value != "off":
+            parser.error(f"--compiled-{flag} {value} is for eager layers: --compile {args.compile} compiles the "
+                         f"{part} with the whole layer (drop one of them)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = (args.tokens // 512, 512, args.dim) if args.tokens % 512 == 0 else (1, args.tokens, args.dim)
@@ -349,11 +367,13 @@ def main() -> None:
             layer = first if mode == modes[0] else copy.deepcopy(first)
             layer.experts.grouped_mm = {"auto": None, "grouped": True, "loop": False}[mode]
             layer.compiled_routing = args.compiled_routing == "on"
+            layer.compiled_experts = args.compiled_experts == "on"
             layers[(e, mode)] = layer
-            if args.compiled_routing == "both":  # the same weights, the routing compiled (--moe-compiled-routing on)
+            for suffix in twin_suffixes(args.compiled_routing, args.compiled_experts, mode):  # the same weights
                 twin = copy.deepcopy(layer)
-                twin.compiled_routing = True
-                layers[(e, mode + ROUTED)] = twin
+                twin.compiled_routing |= ROUTED in suffix
+                twin.compiled_experts |= EXPERTS in suffix
+                layers[(e, mode + suffix)] = twin
     modules = {"dense": dense, **layers}
     steps = {name: fwd_bwd(m, x, args.compile) for name, m in modules.items()}
     if args.cuda_graphs == "both":
@@ -380,8 +400,9 @@ def main() -> None:
             ref = f"{_ms(t_ref)} | {t_ref / (scale * best['dense']):.2f}"
         else:
             ref = "skipped | -"
-        routed = ROUTED if mode.endswith(ROUTED) else ""  # a twin against its twin
-        versus = f"{median[(e, 'grouped' + routed)] / median[(e, 'loop' + routed)]:.2f}" if len(modes) == 2 else "-"
+        twin = mode.removeprefix("grouped").removeprefix("loop")  # a twin against its twin
+        versus = (f"{median[(e, 'grouped' + twin)] / median[(e, 'loop' + twin)]:.2f}"
+                  if (e, "loop" + twin) in median and (e, "grouped" + twin) in median else "-")
         d = _dense_of(mode)
         print(f"| {e} | {mode} | {_ms(best[(e, mode)])} | {_ms(median[(e, mode)])} | "
               f"{best[(e, mode)] / (scale * best[d]):.2f} | {median[(e, mode)] / (scale * median[d]):.2f} | "
@@ -390,12 +411,14 @@ def main() -> None:
     if args.expert_gemm == "both":  # the layer's own choice on this device (grouped_mm_fits)
         experts = layers[(args.experts[0], "grouped")].experts
         judged = "grouped" if grouped_mm_fits(x, experts.fc1_weight) else "loop"
-    variants = [judged] + ([judged + ROUTED] if args.compiled_routing == "both" else [])
+    variants = [judged] + [judged + suffix for suffix in twin_suffixes(args.compiled_routing, args.compiled_experts,
+                                                                       judged)]
     variants += [_graphed_name(v) for v in variants] if args.cuda_graphs == "both" else []
     for variant in variants:
         ratios = {e: median[(e, variant)] / (scale * median[_dense_of(variant)]) for e in args.experts}
         worst = max(ratios, key=ratios.get)
         suffix = "_compiled_routing" if ROUTED in variant or args.compiled_routing == "on" else ""
+        suffix += "_compiled_experts" if EXPERTS in variant or args.compiled_experts == "on" else ""
         suffix += "_cuda_graphs" if variant.endswith(GRAPHED) else ""
         compiled = args.compile != "none"
         issue_target = 1.15 if compiled else 2.0  # issue 43's, for the GPU

@@ -40,7 +40,7 @@ plan() {
 1|install|420|40|-|bash scripts/gpu/node_install.sh
 1|cpu-smoke|150|40|-|$VPY -m pytest tests/test_device_init.py tests/optim/test_mixed_precision.py $PYTEST_FLAGS
 1|pytest-gpu|300|230|pytest|$VPY -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_cuda_training.py $PYTEST_FLAGS $XDIST
-1|bench-moe|150|70|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm both --compiled-routing both|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm both --compiled-routing both --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
+1|bench-moe|150|80|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm grouped --compiled-routing both --compiled-experts both|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm grouped --compiled-routing both --compiled-experts both --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
 1|bench-moe-compile|150|80|$VPY benchmarks/moe_layer.py --tokens 512 --dim 32 --ffn 64 --experts 4 8 --repeats 2 --dtype bf16 --expert-gemm grouped --compile aot_eager --kernel-profile|$VPY benchmarks/moe_layer.py --device cuda --dtype bf16 --repeats 12 --expert-gemm grouped --compile inductor --cuda-graphs both --kernel-profile --results $GPU_CHECK_BUILT_WHEELS/gpu_results.jsonl
 2|install|420|40|-|bash scripts/gpu/node_install.sh
 2|pytest-gpu-training|360|200|pytest|$VPY -m pytest -m gpu tests/gpu/test_cuda_training.py $PYTEST_FLAGS

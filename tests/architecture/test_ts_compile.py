@@ -240,6 +240,7 @@ def test_fairseq_train_choices_reach_the_modules_as_strings(lm_data, mt_data, ar
         "--backbone", "magneto", "--ts-attention-backend", "math", "--checkpoint-activations", "selective",
         "--moe-expert-count", "4", "--moe-router", "linear", "--moe-second-expert-policy", "all",
         "--moe-balance-scope", "global", "--moe-checkpoint-exchange", "keep", "--moe-compiled-routing", "on",
+        "--moe-compiled-experts", "on",
     ])
     found = [p for name, m in model.named_modules() for key, value in vars(m).items() if not key.startswith("_")
              for p in _enum_members(value, f"{name or type(m).__name__}.{key}")]

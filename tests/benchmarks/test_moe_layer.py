@@ -1,7 +1,8 @@
 """``benchmarks/moe_layer.py --kernel-profile``'s table against a profiled run worked out by hand: each kernel
 falls in its row by name (torch._grouped_mm's CUTLASS kernels, cuBLAS GEMMs, sorts / top-k / scans, index /
 scatter / gather kernels, copies, the rest), counted once, and device-busy time counts overlaps once. The roofline
-floor against its formula: ``6 T k`` FLOPs per expert weight, and 3 passes over the experts' weights."""
+floor against its formula: ``6 T k`` FLOPs per expert weight, and 3 passes over the experts' weights. The twins
+``--compiled-routing`` and ``--compiled-experts`` ask for."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 import torch
 
 from benchmarks._common import datasheet_hbm
-from benchmarks.moe_layer import COPIES, OTHER_KERNELS, expert_floor_ms, kernel_rows, print_floor_table
+from benchmarks.moe_layer import (
+    COPIES,
+    EXPERTS,
+    OTHER_KERNELS,
+    ROUTED,
+    expert_floor_ms,
+    kernel_rows,
+    print_floor_table,
+    twin_suffixes,
+)
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
 from torchscale_fairseq.modules.moe.layer import MoELayer
@@ -61,3 +71,16 @@ def test_floor_is_the_flops_and_three_passes_over_the_expert_weights(capsys):
 
 def test_floor_needs_a_listed_device():
     assert datasheet_hbm("cpu") is None
+
+
+@pytest.mark.parametrize("routing,experts,mode,twins", [
+    ("off", "off", "grouped", []),
+    ("on", "on", "grouped", []),  # "on" sets the flag on every layer: no twin
+    ("both", "off", "loop", [ROUTED]),
+    ("off", "both", "grouped", [EXPERTS]),
+    ("off", "both", "loop", []),  # the compiled experts take the fused path of grouped GEMMs only
+    ("both", "both", "grouped", [ROUTED, EXPERTS, ROUTED + EXPERTS]),
+    ("both", "both", "loop", [ROUTED]),
+])
+def test_twins_are_the_compiled_variants_asked_for(routing, experts, mode, twins):
+    assert twin_suffixes(routing, experts, mode) == twins

@@ -115,21 +115,24 @@ def test_compiled_fused_layer_equals_eager_on_cuda():
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_compiled_routing_equals_eager_routing_on_cuda(padded):
+@pytest.mark.parametrize("padded,parts", [(False, "routing"), (True, "routing"), (True, "experts"),
+                                          (False, "routing+experts")])
+def test_compiled_moe_parts_equal_the_eager_layer_on_cuda(padded, parts):
     """``--moe-compiled-routing on`` (inductor's Triton kernels for the router, top-k, slots, gates, dispatch
-    rows, losses and statistics) against the same layer routing eagerly on the device, policy ``all``
+    rows, losses and statistics) and ``--moe-compiled-experts on`` (the gather, grouped GEMMs, biases,
+    activation, Sub-LN and combine) against the same layer run eagerly on the device, policy ``all``
     (inductor draws its own random numbers): the same routing (loads, drops), the output, the losses and
-    every gradient within bf16 rounding (``tests/modules/moe/test_compiled_routing.py`` checks the graph
-    and its numerics on the CPU)."""
+    every gradient within bf16 rounding (``tests/modules/moe/test_compiled_routing.py`` and
+    ``test_compiled_experts.py`` check the graphs and their numerics on the CPU)."""
     import copy
 
     torch.manual_seed(0)
     cfg = MoEConfig(expert_count=16, top_k=2, capacity_factor=1.0, second_expert_policy="all")
-    eager = MoELayer(cfg, FFNSpec(256, 512)).cuda().to(torch.bfloat16).train()
+    eager = MoELayer(cfg, FFNSpec(256, 512, subln=True)).cuda().to(torch.bfloat16).train()
     eager.experts.grouped_mm = HOPPER
     compiled = copy.deepcopy(eager)
-    compiled.compiled_routing = True
+    compiled.compiled_routing = "routing" in parts
+    compiled.compiled_experts = "experts" in parts
     x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16)
     padding = (torch.arange(256, device="cuda") >= 200).expand(4, 256).clone() if padded else None
     weight = torch.randn(256, device="cuda", dtype=torch.bfloat16)

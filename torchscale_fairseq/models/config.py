@@ -20,6 +20,7 @@ from torchscale_fairseq.modules.feedforward import ACTIVATIONS
 from torchscale_fairseq.modules.moe.config import (
     BALANCE_SCOPES,
     CHECKPOINT_EXCHANGES,
+    COMPILED_EXPERTS,
     COMPILED_ROUTING,
     EXPERT_TENSOR_PARALLEL,
     ROUTERS,
@@ -105,6 +106,12 @@ class TsMoEConfig(FairseqDataclass):
         metadata={"help": "outside --ts-compile (which compiles the whole layer), run each MoE layer's router, "
                           "top-k, slots, gates, auxiliary losses and statistics as one torch.compile graph (on; "
                           "eagerly, off, they are about a hundred small kernels each way)"},
+    )
+    moe_compiled_experts: ChoiceEnum(COMPILED_EXPERTS) = field(
+        default="off",
+        metadata={"help": "outside --ts-compile, run each MoE layer's gather, grouped expert GEMMs, activation, "
+                          "Sub-LN and weighted combine as one torch.compile graph (on; grouped expert GEMMs at "
+                          "expert-parallel size 1 with whole experts, else the eager path runs)"},
     )
 
 
@@ -305,9 +312,10 @@ def validate_common(args: Any) -> None:
             f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
             f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
         )
-    if getattr(args, "ts_compile", False) and getattr(args, "moe_compiled_routing", "off") == "on":
-        logger.info("--moe-compiled-routing on adds nothing to --ts-compile, which compiles each MoE layer whole, "
-                    "its routing included")
+    for flag, part in (("routing", "its routing"), ("experts", "its experts")):
+        if getattr(args, "ts_compile", False) and getattr(args, f"moe_compiled_{flag}", "off") == "on":
+            logger.info(f"--moe-compiled-{flag} on adds nothing to --ts-compile, which compiles each MoE layer "
+                        f"whole, {part} included")
 
 
 def convert_fp8_from_args(model: nn.Module, args: Any) -> None:

@@ -52,7 +52,7 @@ def aot_eager_routing(monkeypatch):
     """The compiled routing on a counted ``aot_eager``, dynamo's caches fresh before and dropped after; a
     graph past the recompile limit fails the test instead of running eager unseen."""
     backend = CountingBackend()
-    monkeypatch.setattr(moe_layer, "ROUTING_BACKEND", backend)
+    monkeypatch.setattr(moe_layer, "COMPILE_BACKEND", backend)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield backend
@@ -124,7 +124,7 @@ def test_routing_is_one_graph_and_new_batches_compile_no_more():
     explained = torch._dynamo.explain(MoELayer._routing)(layer, tokens, real, False, None, True)  # + dispatch rows
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     counter = CompileCounter()
-    moe_layer.ROUTING_BACKEND = counter
+    moe_layer.COMPILE_BACKEND = counter
     reference = copy.deepcopy(layer)
     reference.compiled_routing = False
     layer.compiled_routing = True
@@ -163,7 +163,7 @@ def test_inductor_kernels_route_as_the_eager_routing():
     """Inductor's generated kernels (C++ on the CPU, Triton on a GPU; tests/gpu checks those), policy
     ``all`` (inductor draws its own random numbers): the same routing, outputs and gradients within
     float tolerance."""
-    moe_layer.ROUTING_BACKEND = "inductor"
+    moe_layer.COMPILE_BACKEND = "inductor"
     eager = _layer("xmoe", 2, "all", 1.0, 0.0, 0.0)
     compiled = copy.deepcopy(eager)
     expected, got = _train(eager, False, torch.float32, steps=1), _train(compiled, True, torch.float32, steps=1)

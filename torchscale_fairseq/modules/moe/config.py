@@ -14,6 +14,7 @@ BALANCE_SCOPES = ("local", "global")
 CHECKPOINT_EXCHANGES = ("repeat", "keep")  # --moe-checkpoint-exchange, see modules/moe/layer.py
 EXPERT_TENSOR_PARALLEL = ("split", "replicate")
 COMPILED_ROUTING = ("off", "on")  # --moe-compiled-routing, see MoELayer._routes_compiled
+COMPILED_EXPERTS = ("off", "on")  # --moe-compiled-experts, see MoELayer._combines_compiled
 MAX_TOP_K = 8
 
 
@@ -37,6 +38,7 @@ class MoEConfig:
     checkpoint_exchange: str = "repeat"
     expert_tensor_parallel: str = "split"
     compiled_routing: str = "off"
+    compiled_experts: str = "off"
 
     def is_moe_layer(self, index: int) -> bool:
         """Every ``freq``-th FFN (1-based: layers freq, 2 freq, ...) is an MoE layer."""
@@ -69,6 +71,7 @@ def moe_config_from_args(args: Any) -> MoEConfig | None:
         checkpoint_exchange=choice(args, "moe_checkpoint_exchange", "repeat"),
         expert_tensor_parallel=choice(args, "moe_expert_tensor_parallel", "split"),
         compiled_routing=choice(args, "moe_compiled_routing", "off"),
+        compiled_experts=choice(args, "moe_compiled_experts", "off"),
     )
     check_moe_config(cfg)
     return cfg
@@ -90,6 +93,7 @@ def check_moe_config(cfg: MoEConfig) -> None:
         ("--moe-checkpoint-exchange", cfg.checkpoint_exchange, CHECKPOINT_EXCHANGES),
         ("--moe-expert-tensor-parallel", cfg.expert_tensor_parallel, EXPERT_TENSOR_PARALLEL),
         ("--moe-compiled-routing", cfg.compiled_routing, COMPILED_ROUTING),
+        ("--moe-compiled-experts", cfg.compiled_experts, COMPILED_EXPERTS),
     ):
         if value not in choices:
             raise TsConfigError(f"{flag} {value!r} is unknown: choose one of {', '.join(choices)}")

@@ -60,6 +60,7 @@ top-1, or top-k > 2), routing is that of ``C = 1`` token by token.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
@@ -100,16 +101,24 @@ from torchscale_fairseq.modules.moe.gating import (
 )
 from torchscale_fairseq.modules.moe.routers import build_router
 
+logger = logging.getLogger(__name__)
+
 EXPERT_CHOICE_DECODING = (
     "--moe-router expert_choice needs the whole batch and cannot serve autoregressive "
     "(incremental) decoding: generate with a token-choice router (xmoe, linear or torchscale_xmoe)"
 )
 
 
-# The backend of the compiled routing, and its cache entries: training and validation, with and without
-# padding, the fused dispatch or not, static then dynamic token counts (more than dynamo's default 8).
-ROUTING_BACKEND = "inductor"
-COMPILED_ROUTING_ENTRIES = 32
+# The backend of the compiled routing and experts, and the cache entries of each: training and validation, with
+# and without padding, the fused dispatch or not, static then dynamic token counts (more than dynamo's default 8).
+COMPILE_BACKEND = "inductor"
+COMPILED_ENTRIES = 32
+_EAGER_COMBINE_LOGGED: set[str] = set()  # why --moe-compiled-experts ran eagerly, logged once each
+
+
+def _compiled(fn: Callable, backend: str) -> Callable:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ENTRIES)
+    return torch.compile(fn, backend=backend)
 
 
 @functools.cache
@@ -117,8 +126,16 @@ def compiled_routing(backend: str) -> Callable:
     """:meth:`MoELayer._routing` compiled once for all MoE layers (``self`` is an argument): the router, the
     softmax, the top-k, the slots, the gates, the dispatch rows, the losses and the statistics as one graph
     forward and one backward, where eagerly they are about a hundred small kernels each way."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ROUTING_ENTRIES)
-    return torch.compile(MoELayer._routing, backend=backend)
+    return _compiled(MoELayer._routing, backend)
+
+
+@functools.cache
+def compiled_combine(backend: str) -> Callable:
+    """:meth:`~.experts.GroupedExperts.combine` compiled once for all MoE layers (the experts are an
+    argument): the gather, the grouped GEMMs, their biases, the activation, the Sub-LN and the weighted
+    combine as one graph forward and one backward, the GEMMs inside it as ``torch._grouped_mm`` calls and
+    the elementwise steps between them fused."""
+    return _compiled(GroupedExperts.combine, backend)
 
 
 def check_generation(models: Iterable[nn.Module]) -> None:
@@ -220,6 +237,7 @@ class MoELayer(nn.Module):
         self.aux_loss_scale: AuxLossScale | None = None  # set per micro-batch (aux_loss.set_aux_loss_scale)
         self.fused_dispatch = True  # False: _combine_stepwise, the fused path's reference
         self.compiled_routing = cfg.compiled_routing == "on"  # --moe-compiled-routing
+        self.compiled_experts = cfg.compiled_experts == "on"  # --moe-compiled-experts
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``bfloat16()`` keep the expert bias in fp32 (Megatron-core does too)."""
@@ -264,7 +282,9 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         real = None if padding_mask is None else ~padding_mask.reshape(-1)
         fused = self._dispatches_fused(tokens)
-        route = compiled_routing(ROUTING_BACKEND) if self._routes_compiled(incremental, memo) else MoELayer._routing
+        if self.compiled_experts and not fused and not torch.compiler.is_compiling():
+            self._log_eager_combine()
+        route = compiled_routing(COMPILE_BACKEND) if self._routes_compiled(incremental, memo) else MoELayer._routing
         routing, loss, z_loss, stats, totals, micro_tokens, plan = route(self, tokens, real, incremental, memo, fused)
         if memo is not None:
             memo.totals, memo.tokens = totals, micro_tokens
@@ -272,7 +292,10 @@ class MoELayer(nn.Module):
         if self.expert_load is not None and self.training and not replay:
             self.expert_load += routing.load.long()
         aux = MoEAux(loss, z_loss, stats, scale)
-        out = self._combine_planned(tokens, plan, memo) if fused else self._combine_stepwise(tokens, routing, memo)
+        if fused:
+            out = self._combine_planned(tokens, plan, incremental, memo)
+        else:
+            out = self._combine_stepwise(tokens, routing, memo)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             out = out + (shared if real is None else shared * real.unsqueeze(1).to(shared.dtype))
@@ -325,12 +348,36 @@ class MoELayer(nn.Module):
         return (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
                 and self.experts.runs_grouped(tokens))
 
-    def _combine_planned(self, tokens: torch.Tensor, plan: DispatchPlan, memo: RecomputeMemo | None) -> torch.Tensor:
+    def _log_eager_combine(self) -> None:
+        """One line per reason: ``--moe-compiled-experts on`` compiles the fused path only."""
+        if not self.fused_dispatch:
+            why = "the stepwise reference path was asked for"
+        elif self.parallel.group is not None:
+            why = "expert parallelism sends the rows to other ranks"
+        elif group_size(self.experts.tp_group) > 1:
+            why = "the experts are split over the tensor-parallel ranks"
+        else:
+            why = "the expert GEMMs run one per expert (grouped GEMMs need bf16 on a GPU of compute capability 9.0)"
+        if why not in _EAGER_COMBINE_LOGGED:
+            _EAGER_COMBINE_LOGGED.add(why)
+            logger.info("--moe-compiled-experts on: the experts run eagerly, as %s", why)
+
+    def _combine_planned(self, tokens: torch.Tensor, plan: DispatchPlan, incremental: bool,
+                         memo: RecomputeMemo | None) -> torch.Tensor:
         """The fused path (:attr:`fused_dispatch`, local whole experts, grouped GEMMs): ``plan``'s row order
         (:func:`~.gating.dispatch_plan`: no second sort) and :meth:`~.experts.GroupedExperts.combine` (the
-        gather inside fc1, the weighted combine inside fc2)."""
+        gather inside fc1, the weighted combine inside fc2), compiled where :meth:`_combines_compiled`."""
         self._check_replay(plan.counts, memo)
-        return self.experts.combine(tokens, plan.token, plan.gate, plan.groups)
+        combine = compiled_combine(COMPILE_BACKEND) if self._combines_compiled(incremental, memo) else \
+            GroupedExperts.combine
+        return combine(self.experts, tokens, plan.token, plan.gate, plan.groups)
+
+    def _combines_compiled(self, incremental: bool, memo: RecomputeMemo | None) -> bool:
+        """Whether the fused path's combine runs compiled: with :attr:`compiled_experts`, outside
+        ``--ts-compile``'s graph, not an activation-checkpointed call (its recomputation must draw the
+        first run's dropout masks, which eager kernels replay), not incremental decoding (a few tokens a
+        step: nothing to fuse that pays for a compilation)."""
+        return self.compiled_experts and not torch.compiler.is_compiling() and not incremental and memo is None
 
     def _combine_stepwise(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None) -> torch.Tensor:
         """The steps one by one, the fused path's reference and the path of every other layout (one GEMM per
