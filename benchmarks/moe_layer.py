@@ -339,11 +339,13 @@ def main() -> None:
     if args.cuda_graphs == "both" and (args.device != "cuda" or args.expert_gemm != "grouped"):
         parser.error("--cuda-graphs both needs --device cuda and --expert-gemm grouped (the per-expert loop reads the "
                      "expert counts on the host, which a graph cannot replay)")
-    for flag, value, part in (("routing", args.compiled_routing, "routing"),
-                              ("experts", args.compiled_experts, "experts")):
+    for part, value in (("routing", args.compiled_routing), ("experts", args.compiled_experts)):
         if args.compile != "none" and value != "off":
-            parser.error(f"--compiled-{flag} {value} is for eager layers: --compile {args.compile} compiles the "
+            parser.error(f"--compiled-{part} {value} is for eager layers: --compile {args.compile} compiles the "
                          f"{part} with the whole layer (drop one of them)")
+    if args.compiled_experts != "off" and args.expert_gemm not in ("grouped", "both"):
+        parser.error(f"--compiled-experts {args.compiled_experts} compiles the grouped GEMMs' path: use "
+                     f"--expert-gemm grouped or both, not {args.expert_gemm}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = (args.tokens // 512, 512, args.dim) if args.tokens % 512 == 0 else (1, args.tokens, args.dim)
@@ -418,7 +420,8 @@ def main() -> None:
         ratios = {e: median[(e, variant)] / (scale * median[_dense_of(variant)]) for e in args.experts}
         worst = max(ratios, key=ratios.get)
         suffix = "_compiled_routing" if ROUTED in variant or args.compiled_routing == "on" else ""
-        suffix += "_compiled_experts" if EXPERTS in variant or args.compiled_experts == "on" else ""
+        experts_compiled = EXPERTS in variant or (args.compiled_experts == "on" and variant.startswith("grouped"))
+        suffix += "_compiled_experts" if experts_compiled else ""
         suffix += "_cuda_graphs" if variant.endswith(GRAPHED) else ""
         compiled = args.compile != "none"
         issue_target = 1.15 if compiled else 2.0  # issue 43's, for the GPU

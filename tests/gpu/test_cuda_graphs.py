@@ -58,6 +58,7 @@ def test_graphed_layers_on_cuda_train_like_the_layers(compiled):
 MOE = dict(moe_expert_count=8, moe_freq=2, moe_second_expert_policy="all")
 MOE_VARIANTS = {
     "eager": dict(moe_router_bias_update_rate=0.01),  # an aux-loss-free router bias: expert loads counted
+    "compiled_routing": dict(moe_compiled_routing="on"),
     "compiled_routing_and_experts": dict(moe_compiled_routing="on", moe_compiled_experts="on"),
     "ts_compile": dict(ts_compile=True, moe_router_bias_update_rate=0.01),
     "expert_choice": dict(moe_router="expert_choice"),

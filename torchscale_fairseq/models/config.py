@@ -111,7 +111,8 @@ class TsMoEConfig(FairseqDataclass):
         default="off",
         metadata={"help": "outside --ts-compile, run each MoE layer's gather, grouped expert GEMMs, activation, "
                           "Sub-LN and weighted combine as one torch.compile graph (on; grouped expert GEMMs at "
-                          "expert-parallel size 1 with whole experts, else the eager path runs)"},
+                          "expert-parallel size 1 with whole experts; activation-checkpointed calls and "
+                          "incremental decoding run eagerly)"},
     )
 
 
@@ -312,10 +313,10 @@ def validate_common(args: Any) -> None:
             f"{' under tensor parallelism' if recompute == 'selective' else ''}: drop one of the two flags"
             f"{'' if recompute == 'selective' else ' or use --checkpoint-activations selective'}"
         )
-    for flag, part in (("routing", "its routing"), ("experts", "its experts")):
-        if getattr(args, "ts_compile", False) and getattr(args, f"moe_compiled_{flag}", "off") == "on":
-            logger.info(f"--moe-compiled-{flag} on adds nothing to --ts-compile, which compiles each MoE layer "
-                        f"whole, {part} included")
+    for part in ("routing", "experts"):
+        if getattr(args, "ts_compile", False) and getattr(args, f"moe_compiled_{part}", "off") == "on":
+            logger.info(f"--moe-compiled-{part} on adds nothing to --ts-compile, which compiles each MoE layer "
+                        f"whole, its {part} included")
 
 
 def convert_fp8_from_args(model: nn.Module, args: Any) -> None:

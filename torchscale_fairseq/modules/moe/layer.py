@@ -117,6 +117,7 @@ _EAGER_COMBINE_LOGGED: set[str] = set()  # why --moe-compiled-experts ran eagerl
 
 
 def _compiled(fn: Callable, backend: str) -> Callable:
+    """``torch.compile(fn)`` with room for :data:`COMPILED_ENTRIES` cache entries."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ENTRIES)
     return torch.compile(fn, backend=backend)
 
@@ -136,6 +137,13 @@ def compiled_combine(backend: str) -> Callable:
     combine as one graph forward and one backward, the GEMMs inside it as ``torch._grouped_mm`` calls and
     the elementwise steps between them fused."""
     return _compiled(GroupedExperts.combine, backend)
+
+
+def _log_eager_experts(why: str) -> None:
+    """One line per reason that ``--moe-compiled-experts on`` left a layer's experts eager."""
+    if why not in _EAGER_COMBINE_LOGGED:
+        _EAGER_COMBINE_LOGGED.add(why)
+        logger.info("--moe-compiled-experts on: the experts run eagerly, as %s", why)
 
 
 def check_generation(models: Iterable[nn.Module]) -> None:
@@ -281,9 +289,10 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         real = None if padding_mask is None else ~padding_mask.reshape(-1)
-        fused = self._dispatches_fused(tokens)
+        why_not_fused = self._why_not_fused(tokens)
+        fused = why_not_fused is None
         if self.compiled_experts and not fused and not torch.compiler.is_compiling():
-            self._log_eager_combine()
+            _log_eager_experts(why_not_fused)
         route = compiled_routing(COMPILE_BACKEND) if self._routes_compiled(incremental, memo) else MoELayer._routing
         routing, loss, z_loss, stats, totals, micro_tokens, plan = route(self, tokens, real, incremental, memo, fused)
         if memo is not None:
@@ -342,25 +351,18 @@ class MoELayer(nn.Module):
         return (not incremental and memo is None and self.context_group is None and cfg.balance_scope == "local"
                 and cfg.router in ("xmoe", "linear") and cfg.second_expert_policy != "sampling")
 
-    def _dispatches_fused(self, tokens: torch.Tensor) -> bool:
-        """Whether the routed tokens take the fused path (:meth:`_combine_planned`): :attr:`fused_dispatch`,
-        local whole experts and grouped GEMMs; else :meth:`_combine_stepwise`."""
-        return (self.fused_dispatch and self.parallel.group is None and group_size(self.experts.tp_group) == 1
-                and self.experts.runs_grouped(tokens))
-
-    def _log_eager_combine(self) -> None:
-        """One line per reason: ``--moe-compiled-experts on`` compiles the fused path only."""
+    def _why_not_fused(self, tokens: torch.Tensor) -> str | None:
+        """Why the routed tokens cannot take the fused path (:meth:`_combine_planned`: :attr:`fused_dispatch`,
+        local whole experts and grouped GEMMs; else :meth:`_combine_stepwise`); ``None`` where they take it."""
         if not self.fused_dispatch:
-            why = "the stepwise reference path was asked for"
-        elif self.parallel.group is not None:
-            why = "expert parallelism sends the rows to other ranks"
-        elif group_size(self.experts.tp_group) > 1:
-            why = "the experts are split over the tensor-parallel ranks"
-        else:
-            why = "the expert GEMMs run one per expert (grouped GEMMs need bf16 on a GPU of compute capability 9.0)"
-        if why not in _EAGER_COMBINE_LOGGED:
-            _EAGER_COMBINE_LOGGED.add(why)
-            logger.info("--moe-compiled-experts on: the experts run eagerly, as %s", why)
+            return "the stepwise reference path was asked for"
+        if self.parallel.group is not None:
+            return "expert parallelism sends the rows to other ranks"
+        if group_size(self.experts.tp_group) > 1:
+            return "the experts are split over the tensor-parallel ranks"
+        if not self.experts.runs_grouped(tokens):
+            return "the expert GEMMs run one per expert (grouped GEMMs: see experts.grouped_mm_fits)"
+        return None
 
     def _combine_planned(self, tokens: torch.Tensor, plan: DispatchPlan, incremental: bool,
                          memo: RecomputeMemo | None) -> torch.Tensor:
@@ -368,6 +370,8 @@ class MoELayer(nn.Module):
         (:func:`~.gating.dispatch_plan`: no second sort) and :meth:`~.experts.GroupedExperts.combine` (the
         gather inside fc1, the weighted combine inside fc2), compiled where :meth:`_combines_compiled`."""
         self._check_replay(plan.counts, memo)
+        if self.compiled_experts and memo is not None and not torch.compiler.is_compiling():
+            _log_eager_experts("the calls are activation-checkpointed")
         combine = compiled_combine(COMPILE_BACKEND) if self._combines_compiled(incremental, memo) else \
             GroupedExperts.combine
         return combine(self.experts, tokens, plan.token, plan.gate, plan.groups)
@@ -375,8 +379,8 @@ class MoELayer(nn.Module):
     def _combines_compiled(self, incremental: bool, memo: RecomputeMemo | None) -> bool:
         """Whether the fused path's combine runs compiled: with :attr:`compiled_experts`, outside
         ``--ts-compile``'s graph, not an activation-checkpointed call (its recomputation must draw the
-        first run's dropout masks, which eager kernels replay), not incremental decoding (a few tokens a
-        step: nothing to fuse that pays for a compilation)."""
+        first run's dropout masks: checked for the eager kernels only), not incremental decoding (a few
+        tokens a step: nothing to fuse that pays for a compilation)."""
         return self.compiled_experts and not torch.compiler.is_compiling() and not incremental and memo is None
 
     def _combine_stepwise(self, tokens: torch.Tensor, routing: Routing, memo: RecomputeMemo | None) -> torch.Tensor:
