@@ -4,8 +4,8 @@ vocabulary, bf16), the plugin's fast path ("fast": ``--ts-fused-cross-entropy --
 ts_adamw --ts-sync-free-step``), the fast path with ``--ts-cuda-graphs`` (metrics ``*_cuda_graphs``) and, for
 ``ts_lm_large``, its default path ("baseline"), tokens/s of the fast path against stock fairseq
 ``transformer_lm`` of the same size on the same data, a profile of one update of every run (``train_profile.py``: where the time
-goes), and the micro-benchmarks that choose the next changes (SDPA kernels, the output GEMM's
-width), and the 1.3B fast path with ``--fp8 tensorwise`` / ``rowwise`` (torchao's float8 training;
+goes), and the micro-benchmarks that choose the next changes (the host's cost per launch, SDPA kernels,
+the output GEMM's width), and the 1.3B fast path with ``--fp8 tensorwise`` / ``rowwise`` (torchao's float8 training;
 ``fp8_gain_1p3b`` = its tokens/s over the bf16 fast path's; run where the GPU has FP8 and torchao
 imports). Each figure becomes one JSON line (``--results``) with the issue's metric names, which hold our
 fastest path: the fast path's figures, appended again from the run with ``--ts-cuda-graphs`` where that
@@ -152,6 +152,63 @@ def output_gemm_widths(tokens: int, dim: int, widths: list[int], device: str) ->
     return out
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_costs(device: str, calls: int = 2000, compile_backend: str = "inductor") -> dict[str, float]:
+    """The host's microseconds per step of a launch-bound update, each timed until the calls return (the
+    device's time not included): ``op``, an eager elementwise op on one element; ``linear_fwd_bwd``, forward
+    and backward of a 16 x 16 ``nn.Linear`` (autograd's fixed cost on top of its 5 kernels);
+    ``compiled_call``, a call of a compiled one-kernel function (guards and wrapper); on CUDA also
+    ``launch_call``, the runtime's launch call itself (the profiler's mean), and ``graph_replay``, a replay
+    of a CUDA graph of 100 such ops. They say whether a launch-bound step is slow for its launches or for
+    its host."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    x = torch.zeros(1, device=device)
+
+    def per_call_us(fn, n: int) -> float:
+        for _ in range(10):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = time.perf_counter() - start
+        sync()
+        return host / n * 1e6
+
+    linear = torch.nn.Linear(16, 16, device=device)
+    inputs = torch.randn(4, 16, device=device)
+
+    def linear_fwd_bwd():
+        linear.zero_grad(set_to_none=True)
+        linear(inputs).sum().backward()
+
+    compiled = torch.compile(lambda t: t * 2 + 1, backend=compile_backend)
+    out = {"op": per_call_us(lambda: torch.add(x, 1, out=x), calls),
+           "linear_fwd_bwd": per_call_us(linear_fwd_bwd, calls // 10),
+           "compiled_call": per_call_us(lambda: compiled(x), calls)}
+    if device == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(200):
+                torch.add(x, 1, out=x)
+            sync()
+        launches = [e.cpu_time_total for e in prof.events() if e.name in LAUNCH_CALLS]
+        out["launch_call"] = statistics.mean(launches) if launches else float("nan")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.add(x, 1, out=x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(100):
+                torch.add(x, 1, out=x)
+        out["graph_replay"] = per_call_us(graph.replay, calls // 10)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, required=True, help="append the JSON lines here")
@@ -161,7 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="run names to run (large_fast stock 1p3b_fast 1p3b_fp8 1p3b_fp8rw "
                                               "large_fast_cuda_graphs 1p3b_fast_cuda_graphs large_base; *_fp8: --fp8 "
                                               "tensorwise, *_fp8rw: rowwise)")
-    p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="SDPA and GEMM-width runs")
+    p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True, help="host-cost, SDPA and GEMM-width runs")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU, fp32 (checks the code path)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.toy
@@ -179,10 +236,13 @@ def main(argv=None) -> int:
     peak_before = gemm_flops_per_s(8192, 8192, 8192, 20, device, "bf16") if cuda else float("nan")
     summary: dict = {"vocab": vocab_padded, "runs": {}}
     if cuda and args.micro:
+        summary["host_us"] = host_costs(device)
+        append_results(args.results, [(f"host_us_{k}", v, None) for k, v in summary["host_us"].items()], device,
+                       "benchmarks/gpu_speed.py host_costs")
         summary["sdpa_ms"] = sdpa_backends([(8, 16, SEQ, 64), (4, 16, SEQ, 128)], device)
         summary["output_gemm_ms"] = output_gemm_widths(8 * SEQ, 1024, [vocab_padded, -(-vocab_padded // 128) * 128],
                                                        device)
-        print(json.dumps({k: summary[k] for k in ("sdpa_ms", "output_gemm_ms")}), flush=True)
+        print(json.dumps({k: summary[k] for k in ("host_us", "sdpa_ms", "output_gemm_ms")}), flush=True)
     plan = run_plan(configs, device)
     for name, cname, flags, batch, metric_suffix in plan:
         if args.only and name not in args.only:

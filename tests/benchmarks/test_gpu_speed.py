@@ -53,3 +53,10 @@ def test_a_slower_run_with_graphs_keeps_its_own_names(tmp_path):
     assert [r["command"] for r in lines["mfu_datasheet_ts_lm_large"]] == ["fast"]
     assert [r["value"] for r in lines["tokens_per_s_vs_stock"]] == [1.25]
     assert [r["value"] for r in lines["tokens_per_s_vs_stock_cuda_graphs"]] == [1.125]
+
+
+def test_host_costs_time_each_step_per_call():
+    """The CPU's code path (CUDA adds the launch call and a graph replay): each step timed, per call, in µs."""
+    costs = gpu_speed.host_costs("cpu", calls=50, compile_backend="aot_eager")
+    assert set(costs) == {"op", "linear_fwd_bwd", "compiled_call"}
+    assert all(0 < v < 1e5 for v in costs.values()), costs
