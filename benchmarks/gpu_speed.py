@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from _common import (
     DATASHEET_BF16,
+    KERNEL_LAUNCH_CALLS,
     REPO,
     USER_DIR,
     append_results,
@@ -152,9 +153,6 @@ def output_gemm_widths(tokens: int, dim: int, widths: list[int], device: str) ->
     return out
 
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-
-
 def host_costs(device: str, calls: int = 2000, compile_backend: str = "inductor") -> dict[str, float]:
     """The host's microseconds per step of a launch-bound update, each timed until the calls return (the
     device's time not included): ``op``, an eager elementwise op on one element; ``linear_fwd_bwd``, forward
@@ -194,7 +192,7 @@ def host_costs(device: str, calls: int = 2000, compile_backend: str = "inductor"
             for _ in range(200):
                 torch.add(x, 1, out=x)
             sync()
-        launches = [e.cpu_time_total for e in prof.events() if e.name in LAUNCH_CALLS]
+        launches = [e.cpu_time_total for e in prof.events() if e.name in KERNEL_LAUNCH_CALLS]
         out["launch_call"] = statistics.mean(launches) if launches else float("nan")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

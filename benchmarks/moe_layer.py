@@ -58,7 +58,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import DATASHEET_BF16, DTYPES, append_results, datasheet_hbm, device_line, load_average, now
+from benchmarks._common import (
+    DATASHEET_BF16,
+    DTYPES,
+    KERNEL_LAUNCH_CALLS,
+    append_results,
+    datasheet_hbm,
+    device_line,
+    load_average,
+    now,
+)
 from benchmarks.train_profile import GEMM, union_length
 from torchscale_fairseq.modules.feedforward import FeedForwardNetwork, FFNSpec
 from torchscale_fairseq.modules.moe.config import MoEConfig
@@ -121,7 +130,7 @@ def fwd_bwd(module, x: torch.Tensor, compile_backend: str = "none"):
 ROUTED = ", compiled routing"  # the twin of a layer with --compiled-routing both
 EXPERTS = ", compiled experts"  # the twin of a grouped layer (and of its ROUTED twin) with --compiled-experts both
 GRAPHED = ", CUDA graphs"  # the twin of a step with --cuda-graphs both
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+LAUNCHES = (*KERNEL_LAUNCH_CALLS, "cudaGraphLaunch")
 
 
 def graphed(step, module):

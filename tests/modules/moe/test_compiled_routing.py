@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounter
 
 from tests.helpers.moe_adam_steps import adam_steps
+from tests.helpers.moe_compile_counting import counted_moe_compiles
 from torchscale_fairseq.errors import TsConfigError
 from torchscale_fairseq.modules.feedforward import FFNSpec
 from torchscale_fairseq.modules.moe import layer as moe_layer
@@ -31,32 +31,11 @@ ROUTINGS = [  # (router, top-k, second-expert policy, capacity factor, gate nois
 PATHS = [(torch.float32, False), (torch.bfloat16, True)]  # one GEMM per expert; grouped GEMMs (the fused dispatch)
 
 
-class CountingBackend:
-    """``aot_eager``, counting the graphs it compiles (``frames``) and the calls of them (``calls``)."""
-
-    def __init__(self) -> None:
-        self.frames = self.calls = 0
-
-    def __call__(self, graph, example_inputs):
-        self.frames += 1
-        compiled = lookup_backend("aot_eager")(graph, example_inputs)
-
-        def run(*args):
-            self.calls += 1
-            return compiled(*args)
-        return run
-
-
 @pytest.fixture(autouse=True)
 def aot_eager_routing(monkeypatch):
-    """The compiled routing on a counted ``aot_eager``, dynamo's caches fresh before and dropped after; a
-    graph past the recompile limit fails the test instead of running eager unseen."""
-    backend = CountingBackend()
-    monkeypatch.setattr(moe_layer, "COMPILE_BACKEND", backend)
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    """The compiled routing on a counted ``aot_eager`` (:func:`counted_moe_compiles`)."""
+    with counted_moe_compiles(monkeypatch) as backend:
         yield backend
-    torch._dynamo.reset()
 
 
 def _layer(router: str, top_k: int, policy: str, factor: float, noise: float, bias_rate: float,
