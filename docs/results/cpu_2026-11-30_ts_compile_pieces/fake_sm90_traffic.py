@@ -3,11 +3,13 @@ inductor for a stand-in CUDA sm_90 device on a machine without a GPU, save each 
 print inductor's own estimate of the bytes each moves (``kernel_num_gb``, written with ``benchmark_kernel``),
 then the compiled graph's ``call``: its Triton launches and its other ops (GEMMs, ``extern_kernels``, and the
 PyTorch ops inductor falls back to, each one or more CUDA kernels); its wrapper code is saved as ``wrapper.py``.
+The inductor options the graph was compiled with (``combo_kernels`` among them) come with the dump.
 Nothing is compiled for or run on a device: the CUDA queries inductor makes are answered with an H200's
 properties, the inputs are fake tensors on ``cuda``, and the RNG seed prims of dropout become constants.
 
     python fake_sm90_traffic.py GRAPH_DIR OUT_DIR
 
+``COMBO_KERNELS=1``: lower with inductor's ``combo_kernels`` on, whatever the dump says.
 ``SKIP_VIEW_SCATTER=1``: skip inductor's ``canonicalize_view_scatter_ops`` pass, which fails on the MoE layer's
 backward graph under these fake tensors ("can not broadcast torch.Size([1024]) to torch.Size([1024])"); it only
 changes how a ``select_scatter`` is written in place.
@@ -95,6 +97,8 @@ def main(graph_dir: Path, out_dir: Path) -> None:
     repro = types.ModuleType("repro")
     repro.math_ceil, repro.math_floor = math.ceil, math.floor
     exec(compile(src, "repro", "exec"), repro.__dict__)  # the graph's module and its inputs' shapes
+    if os.environ.get("COMBO_KERNELS") == "1":  # lower as if compiled with combo_kernels=True
+        inductor_config.combo_kernels = True
     mode = fake_tensor.FakeTensorMode(shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv())
     inputs: list = []
 
@@ -123,12 +127,17 @@ def main(graph_dir: Path, out_dir: Path) -> None:
     else:
         with mode, tracing(TracingContext(mode)):
             compiled = compile_fx_inner(make_fx(repro.mod, tracing_mode="real")(*inputs), inputs)
-    total = 0.0
+    total, unpriced = 0.0, 0
     for name in kernels:
-        gb = float(re.search(r"'kernel_num_gb': ([0-9.e-]+)", (out_dir / f"{name}.py").read_text()).group(1))
-        total += gb
-        print(f"{name} {gb:.6f} GB")
-    print(f"{len(kernels)} kernels, {total:.6f} GB at the traced shapes")
+        found = re.search(r"'kernel_num_gb': ([0-9.e-]+)", (out_dir / f"{name}.py").read_text())
+        if found is None:  # a combo kernel (combo_kernels=True) carries no byte estimate
+            unpriced += 1
+            print(f"{name} (combo kernel: no estimate)")
+            continue
+        total += float(found.group(1))
+        print(f"{name} {float(found.group(1)):.6f} GB")
+    print(f"{len(kernels)} kernels, {total:.6f} GB at the traced shapes"
+          + (f" ({unpriced} combo kernels not counted)" if unpriced else ""))
     (out_dir / "wrapper.py").write_text(compiled.source_code)
     body = compiled.source_code.split("    def call(self, args):")[1].split("\ndef ")[0]
     lines = [line.strip() for line in body.splitlines() if not line.strip().startswith(("#", "assert_"))]

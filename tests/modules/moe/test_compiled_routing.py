@@ -150,6 +150,24 @@ def test_inductor_kernels_route_as_the_eager_routing():
         assert (a.double() - b.double()).abs().max() <= 1e-5 * a.double().abs().max() + 1e-6, f"tensor {i}"
 
 
+@pytest.mark.parametrize("part", ["compiled_routing", "compiled_combine"])
+def test_inductor_compiles_the_moe_parts_with_combo_kernels(part, monkeypatch):
+    """Inductor is asked for combo kernels, which launch a graph's independent kernels as one on a GPU (the
+    routing's many small ones; the C++ kernels of the CPU have no such fusion, and the inductor tests above
+    compile with the option on); a backend other than inductor is given no inductor option."""
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs) or fn)
+    compile_part = getattr(moe_layer, part)
+    compile_part.cache_clear()
+    try:
+        compile_part("inductor")
+        compile_part("aot_eager")
+    finally:
+        compile_part.cache_clear()
+    assert asked == [{"backend": "inductor", "options": {"combo_kernels": True}},
+                     {"backend": "aot_eager", "options": None}]
+
+
 @pytest.mark.parametrize("change,why", [
     (dict(compiled_routing=False), "the flag is off"),
     (dict(memo=RecomputeMemo()), "activation checkpointing (the recomputation replays the first run)"),

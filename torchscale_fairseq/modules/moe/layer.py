@@ -113,13 +113,17 @@ EXPERT_CHOICE_DECODING = (
 # and without padding, the fused dispatch or not, static then dynamic token counts (more than dynamo's default 8).
 COMPILE_BACKEND = "inductor"
 COMPILED_ENTRIES = 32
+# Inductor's options for them: combo kernels (horizontal fusion) launch independent kernels of a graph as one,
+# as the routing's many small ones are; outside --ts-compile an MoE layer's step is bound by its launches.
+INDUCTOR_OPTIONS = {"combo_kernels": True}
 _EAGER_COMBINE_LOGGED: set[str] = set()  # why --moe-compiled-experts ran eagerly, logged once each
 
 
 def _compiled(fn: Callable, backend: str) -> Callable:
-    """``torch.compile(fn)`` with room for :data:`COMPILED_ENTRIES` cache entries."""
+    """``torch.compile(fn)`` with room for :data:`COMPILED_ENTRIES` cache entries; inductor's with
+    :data:`INDUCTOR_OPTIONS`."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ENTRIES)
-    return torch.compile(fn, backend=backend)
+    return torch.compile(fn, backend=backend, options=INDUCTOR_OPTIONS if backend == "inductor" else None)
 
 
 @functools.cache
