@@ -9,7 +9,7 @@ properties, the inputs are fake tensors on ``cuda``, and the RNG seed prims of d
 
     python fake_sm90_traffic.py GRAPH_DIR OUT_DIR
 
-``COMBO_KERNELS=1``: lower with inductor's ``combo_kernels`` on, whatever the dump says.
+``COMBO_KERNELS=1`` / ``0``: lower with inductor's ``combo_kernels`` on / off, whatever the dump says.
 ``SKIP_VIEW_SCATTER=1``: skip inductor's ``canonicalize_view_scatter_ops`` pass, which fails on the MoE layer's
 backward graph under these fake tensors ("can not broadcast torch.Size([1024]) to torch.Size([1024])"); it only
 changes how a ``select_scatter`` is written in place.
@@ -97,8 +97,8 @@ def main(graph_dir: Path, out_dir: Path) -> None:
     repro = types.ModuleType("repro")
     repro.math_ceil, repro.math_floor = math.ceil, math.floor
     exec(compile(src, "repro", "exec"), repro.__dict__)  # the graph's module and its inputs' shapes
-    if os.environ.get("COMBO_KERNELS") == "1":  # lower as if compiled with combo_kernels=True
-        inductor_config.combo_kernels = True
+    if "COMBO_KERNELS" in os.environ:  # lower with combo kernels on (1) or off (0), whatever the dump says
+        inductor_config.combo_kernels = os.environ["COMBO_KERNELS"] == "1"
     mode = fake_tensor.FakeTensorMode(shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv())
     inputs: list = []
 
