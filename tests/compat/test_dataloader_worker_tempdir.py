@@ -102,7 +102,8 @@ def test_fairseq_train_stopping_inside_an_epoch_leaves_no_directory(lm_data: Pat
                                                                      longest_tmpdir: str, ranks: int) -> None:
     """Also: the workers' sockets bind at the longest ``$TMPDIR`` the check lets through (a limit one byte
     too long would leave the run waiting for its first batch, here until the timeout)."""
-    launcher = [tool("torchrun"), "--nproc_per_node", "2", "--standalone"] if ranks == 2 else []
+    launcher = [tool("torchrun"), "--nproc_per_node", "2", "--standalone",
+                "--log-dir", tmp_path / "torchrun"] if ranks == 2 else []
     distributed = ["--distributed-backend", "gloo"] if ranks == 2 else []
     run([*launcher, tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--save-dir", tmp_path / "save",
          *LM_TRAIN, "--arch", "ts_lm_tiny", "--max-update", "3", "--no-save", "--disable-validation",

@@ -86,7 +86,8 @@ def start_two_nodes(name: str, data: Path, root: Path, launcher: list[str]) -> t
     procs, logs = [], []
     for node in range(NODES):
         log = root / name / f"node{node}.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", *one_machine(launcher, node, port), str(UNROUNDED),
+        cmd = [sys.executable, "-m", "torch.distributed.run", *one_machine(launcher, node, port),
+               "--log-dir", str(root / name / f"torchrun{node}"), str(UNROUNDED),
                "fairseq-train", *args]
         procs.append(launch(cmd, log))
         logs.append(log)
