@@ -48,7 +48,8 @@ def test_two_gloo_processes_match_single_process(lm_data, tmp_path, single_proce
 
 def test_torchrun_two_processes_on_cpu(lm_data, tmp_path, single_process_losses):
     proc = run([tool("torchrun"), "--nproc_per_node", "2", "--standalone", "--log-dir", tmp_path / "torchrun",
-                tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--save-dir", tmp_path, *COMMON, "--distributed-backend", "gloo"])
+                tool("fairseq-train"), lm_data, "--user-dir", USER_DIR, "--save-dir", tmp_path, *COMMON,
+                "--distributed-backend", "gloo"])
     got = losses(proc.stdout + proc.stderr)
     assert len(got) == 8
     assert got == pytest.approx(single_process_losses, rel=1e-4)
