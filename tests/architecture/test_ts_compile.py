@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import types
 
 import pytest
 import torch
@@ -343,3 +345,44 @@ def test_fairseq_train_says_when_a_later_update_compiles_again(lm_data, tmp_path
     again = re.findall(r"--ts-compile: update (\d+) compiled (\d+) new graph\(s\)", log)
     assert again and all(int(update) > 1 and int(count) >= 1 for update, count in again), log[-3000:]
     assert "torch.compile ran" not in log
+
+
+def _fallback_lines(monkeypatch, caplog, parallel) -> list[tuple[int, str]]:
+    """The trainer's fallback report, made twice with the same counts, as ``parallel``'s rank logs it."""
+    from torchscale_fairseq.integration import trainer as trainer_module
+
+    stub = types.SimpleNamespace(parallel=parallel, _graphs_unreported=0, _compile_report_pending=False,
+                                 _fallbacks_reported=None, get_num_updates=lambda: 1)
+    monkeypatch.setattr(trainer_module, "compile_fallback_report", lambda: "torch.compile ran 1 function(s) eagerly")
+    with caplog.at_level(logging.INFO, logger=trainer_module.logger.name):
+        trainer_module.TsTrainer._report_compilations(stub, 0)
+        trainer_module.TsTrainer._report_compilations(stub, 0)  # the same counts: not again
+    return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+
+@pytest.mark.parametrize("rank,level,stage", [
+    (0, logging.WARNING, 0),  # data rank 0, tensor rank 0 of stage 0
+    (1, logging.INFO, 0),  # tensor rank 1
+    (2, logging.INFO, 0),  # data rank 1
+    (4, logging.WARNING, 1),  # data rank 0, tensor rank 0 of stage 1
+    (7, logging.INFO, 1),
+])
+def test_the_fallback_warning_comes_once_per_pipeline_stage(monkeypatch, caplog, rank, level, stage):
+    """8 ranks, tensor 2 x data 2 x pipeline 2 (Megatron's order: tensor ranks adjacent, then data, then stage):
+    the first rank of each stage warns, naming its stage; the replicas, which compile alike, log it at INFO
+    (fairseq keeps INFO off the console of every rank but the first)."""
+    from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
+
+    base, tensor, data = rank - rank % 4, rank % 2, rank % 4 // 2
+    parallel = ParallelContext(8, rank, tensor_ranks=(base + 2 * data, base + 2 * data + 1),
+                               data_ranks=(base + tensor, base + 2 + tensor), pipeline_ranks=(rank % 4, rank % 4 + 4),
+                               embedding_ranks=(rank % 4, rank % 4 + 4))
+    assert _fallback_lines(monkeypatch, caplog, parallel) == [
+        (level, f"--ts-compile (pipeline stage {stage}): torch.compile ran 1 function(s) eagerly")]
+
+
+def test_the_fallback_warning_of_one_process_names_no_stage(monkeypatch, caplog):
+    from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
+
+    assert _fallback_lines(monkeypatch, caplog, ParallelContext.single_process()) == [
+        (logging.WARNING, "--ts-compile: torch.compile ran 1 function(s) eagerly")]

@@ -459,7 +459,8 @@ class TsTrainer(ScheduledTrainer):
         """``--ts-compile``, after an update that made ``graphs`` compiled graphs: after the first, whether every
         compiled function ran whole; after a later one that compiled (a recompile or a new code path: the update
         waited for it), how many graphs, those of skipped updates since the last report included; and the warning
-        of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update)."""
+        of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update),
+        from the first rank of each pipeline stage (the others log it at INFO, which fairseq keeps off their console)."""
         graphs, self._graphs_unreported = graphs + self._graphs_unreported, 0
         report = compile_fallback_report()
         if self._compile_report_pending:  # once, after this process's first update compiled the layers
@@ -472,7 +473,10 @@ class TsTrainer(ScheduledTrainer):
                         "a new input shape or mode, or a new code path; TORCH_LOGS=recompiles shows why)")
         if report is not None and report != self._fallbacks_reported:
             self._fallbacks_reported = report
-            logger.warning(f"--ts-compile: {report}")
+            parallel = self.parallel  # the replicas of a pipeline stage compile alike: one warning per stage
+            stage = f" (pipeline stage {parallel.pipeline_rank})" if parallel.pipeline_size > 1 else ""
+            first_of_stage = parallel.data_context_rank == 0 and parallel.tensor_rank == 0
+            logger.log(logging.WARNING if first_of_stage else logging.INFO, f"--ts-compile{stage}: {report}")
 
     def _report_device_skips(self) -> None:
         """The sync-free step's skips since the last report (one host read): a log line, and
