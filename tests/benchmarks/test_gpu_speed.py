@@ -60,3 +60,15 @@ def test_host_costs_time_each_step_per_call():
     costs = gpu_speed.host_costs("cpu", calls=50, compile_backend="aot_eager")
     assert set(costs) == {"op", "linear_fwd_bwd", "compiled_call"}
     assert all(0 < v < 1e5 for v in costs.values()), costs
+
+
+def test_the_runs_a_target_reads_come_before_those_none_reads(monkeypatch):
+    """A bench-speed cut by its time limit loses the last runs: on a GPU with FP8 the order is the fast path
+    and stock, the fast path with CUDA graphs, FP8 tensorwise, then the default path and FP8 rowwise; each
+    config's runs keep the configs' order."""
+    monkeypatch.setattr(gpu_speed, "fp8_unavailable", lambda device: None)
+    names = [run[0] for run in gpu_speed.run_plan(gpu_speed.CONFIGS, "cuda")]
+    assert names == ["large_fast", "stock", "1p3b_fast", "large_fast_cuda_graphs", "1p3b_fast_cuda_graphs",
+                     "1p3b_fp8", "large_base", "1p3b_fp8rw"]
+    assert [run[0] for run in gpu_speed.run_plan(gpu_speed.CONFIGS, "cpu")] == [
+        "large_fast", "stock", "1p3b_fast", "1p3b_fp8", "large_base", "1p3b_fp8rw"]
