@@ -266,8 +266,8 @@ def main(argv=None) -> int:
 def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int, str | None]]:
     """(run name, config, fairseq-train flags, sequences per update, metric suffix or None), in the order a
     call cut by its time limit loses least: the fast path and stock, the fast path with CUDA graphs (the
-    fastest so far: the MFU targets), FP8 tensorwise (``fp8_gain_1p3b``), then what no target reads: the
-    default path of ``ts_lm_large`` ("base") and FP8 rowwise."""
+    fastest so far: the MFU targets), FP8 tensorwise (``fp8_gain_1p3b``), then what the issue's target table does
+    not name: the default path of ``ts_lm_large`` ("base") and FP8 rowwise."""
     order = {"fast": 0, "stock": 0, "graphs": 1, "fp8 tensorwise": 2, "base": 3, "fp8 rowwise": 4}
     plan = []
     for cname, (dims, batch) in configs.items():

@@ -74,11 +74,12 @@ def fairseq_optim_fp16():
     return optim.FP16Optimizer
 
 
+@pytest.mark.parametrize("missing", ["none", "one", "all"])
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--fp16-no-flatten-grads"], ["--fp16"]])
-def test_zero_grad_leaves_what_fairseqs_leaves_with_one_fill(lm_data, precision):
-    """After an update: the 16-bit gradients gone, every master gradient zero, nothing to sync and fp16's
-    multiply factor reset, as fairseq's own ``zero_grad`` on the same optimizer leaves them; per-parameter
-    masters are zeroed by one ``_foreach_zero_``, not one ``zero_`` per parameter."""
+def test_zero_grad_leaves_what_fairseqs_leaves_with_one_fill(lm_data, precision, missing):
+    """After an update: the 16-bit gradients gone, every master gradient zero (one without a gradient, or all,
+    left without), nothing to sync and fp16's multiply factor reset, as fairseq's own ``zero_grad`` on the same
+    optimizer leaves them; per-parameter masters are zeroed by one ``_foreach_zero_``, not one ``zero_`` each."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -93,19 +94,26 @@ def test_zero_grad_leaves_what_fairseqs_leaves_with_one_fill(lm_data, precision)
     t = trainer(lm_data, *precision)
     opt = t.optimizer
     masters = list(opt.fp32_params.values()) if opt.has_flat_params else list(opt.fp32_params)
+    without = {"none": [], "one": masters[1:2], "all": masters}[missing] if not opt.has_flat_params else []
     states = []
     for zero_grad in (ForeachFP16Optimizer.zero_grad, FP16Optimizer.zero_grad):
         t.train_step([sample_of(torch.randint(4, 30, (4, 17), generator=torch.Generator().manual_seed(0)))])
         opt._needs_sync, opt._multiply_factor = True, 0.25
         assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in masters)
+        for m in without:
+            m.grad = None
         with Ops() as ops:
             zero_grad(opt)
-        states.append(([p.grad for p in opt.fp16_params], [m.grad.clone() for m in masters], opt._needs_sync,
+        states.append(([p.grad for p in opt.fp16_params], [m.grad for m in masters], opt._needs_sync,
                        opt._multiply_factor, ops.names))
+        for m in without:  # the next update's sync gives them gradients again
+            m.grad = torch.zeros_like(m)
     (ours, ours_masters, ours_sync, ours_factor, ours_ops), (stock, stock_masters, *stock_rest, stock_ops) = states
     assert ours == stock == [None] * len(opt.fp16_params)
-    assert all(torch.equal(a, b) and not a.any() for a, b in zip(ours_masters, stock_masters))
+    left_without = [any(m is w for w in without) for m in masters]
+    assert [m is None for m in ours_masters] == [m is None for m in stock_masters] == left_without
+    assert all(torch.equal(a, b) and not a.any() for a, b in zip(ours_masters, stock_masters) if a is not None)
     assert [ours_sync, ours_factor] == stock_rest
     if not opt.has_flat_params:
-        assert stock_ops.count("zero_") == len(masters) > 1
-        assert ours_ops.count("_foreach_zero_") == 1 and "zero_" not in ours_ops
+        assert stock_ops.count("zero_") == len(masters) - len(without)
+        assert ours_ops.count("_foreach_zero_") == (missing != "all") and "zero_" not in ours_ops

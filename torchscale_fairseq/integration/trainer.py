@@ -460,7 +460,8 @@ class TsTrainer(ScheduledTrainer):
         compiled function ran whole; after a later one that compiled (a recompile or a new code path: the update
         waited for it), how many graphs, those of skipped updates since the last report included; and the warning
         of :func:`compile_fallback_report` again whenever its counts grew (validation's are seen at the next update),
-        from the first rank of each pipeline stage (the others log it at INFO, which fairseq keeps off their console)."""
+        from the first rank of each pipeline stage (the others log it at INFO, which fairseq keeps off their console;
+        a fallback that one replica alone meets, on a batch shape or path of its own, is logged there at INFO)."""
         graphs, self._graphs_unreported = graphs + self._graphs_unreported, 0
         report = compile_fallback_report()
         if self._compile_report_pending:  # once, after this process's first update compiled the layers

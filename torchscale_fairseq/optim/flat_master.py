@@ -63,10 +63,13 @@ class ForeachFP16Optimizer(FP16Optimizer):
         """fairseq's ``_FP16OptimizerMixin.zero_grad``, the per-parameter masters' gradients zeroed by one
         multi-tensor fill."""
         if self.has_flat_params:
-            return super().zero_grad()
+            super().zero_grad()
+            return
         for p in self.fp16_params:
             p.grad = None
-        torch._foreach_zero_([p32.grad for p32 in self.fp32_params if p32.grad is not None])
+        grads = [p32.grad for p32 in self.fp32_params if p32.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
         self._needs_sync = False
         if self.scaler is not None:
             self._multiply_factor = 1.0 / float(self.scaler.loss_scale)

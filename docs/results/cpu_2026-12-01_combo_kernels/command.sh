@@ -8,7 +8,7 @@
 #    its Triton launches and other ops;
 # 3. the Triton kernels of each "on" lowering compiled for sm_90 by Triton (compile_sm90.py);
 # 4. for comparison, a dense ts_lm_large layer under --ts-compile (1 layer, 2 x 2048 tokens), lowered both ways.
-set -u
+set -u -o pipefail
 V=/tmp/ts-compat-matrix/py312-torch211/venv
 HERE=$(cd "$(dirname "$0")" && pwd)
 TOOL="$HERE/../cpu_2026-11-30_ts_compile_pieces/fake_sm90_traffic.py"
@@ -19,9 +19,10 @@ lower() {  # graph dir, label
   for combo in 0 1; do
     out="$WORK/lowered/$2_combo$combo"
     echo "== $2, combo kernels $([ $combo = 1 ] && echo on || echo off)"
-    COMBO_KERNELS=$combo SKIP_VIEW_SCATTER=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" $V/bin/python "$TOOL" "$1" "$out" 2>&1 | tail -1
+    COMBO_KERNELS=$combo SKIP_VIEW_SCATTER=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" $V/bin/python "$TOOL" "$1" "$out" 2>&1 | tail -1 \
+      || { echo "FAILED: lowering $1"; exit 1; }
   done
-  $V/bin/python "$HERE/compile_sm90.py" "$out" | tail -1
+  $V/bin/python "$HERE/compile_sm90.py" "$out" | tail -1 || { echo "FAILED: a kernel of $out did not compile"; exit 1; }
 }
 run "$1" moe $V/bin/python benchmarks/moe_layer.py --experts 64 --repeats 1 --dtype bf16 --expert-gemm grouped \
   --compiled-routing on --compiled-experts on

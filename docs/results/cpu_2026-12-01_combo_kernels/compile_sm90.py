@@ -22,6 +22,7 @@ triton_helpers.set_driver_to_gpu = lambda: None  # the target is given; no drive
 
 
 def main(kernel_dir: Path) -> int:
+    """Compile every kernel of ``kernel_dir``; 1 if any failed."""
     compiled = failed = 0
     for path in sorted(kernel_dir.glob("triton_*.py")):
         spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -119,7 +119,7 @@ INDUCTOR_OPTIONS = {"combo_kernels": True}
 _EAGER_COMBINE_LOGGED: set[str] = set()  # why --moe-compiled-experts ran eagerly, logged once each
 
 
-def _compiled(fn: Callable, backend: str) -> Callable:
+def _compiled(fn: Callable, backend: str | Callable) -> Callable:
     """``torch.compile(fn)`` with room for :data:`COMPILED_ENTRIES` cache entries; inductor's with
     :data:`INDUCTOR_OPTIONS`."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_ENTRIES)
