@@ -43,6 +43,15 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "VENV": str(VENV), "SCALE": "tiny", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torchrun_logs_in_a_pytest_folder(tmp_path_factory):
+    """The recipes' torchrun (``scripts/common.sh``) keeps its log folders under pytest's temporary folders
+    (``PET_LOG_DIR``: torchrun's ``--log-dir``), not in ``/tmp/torchelastic_*`` where they would stay."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PET_LOG_DIR", str(tmp_path_factory.mktemp("torchrun")))
+        yield
+
+
 def _steps(*steps: tuple[str, dict[str, str]]) -> list[subprocess.CompletedProcess]:
     """Run the scripts one after the other, up to the first that fails."""
     done = []
