@@ -11,7 +11,7 @@ or over the flat master's per-parameter views (``--fp16``; ``split`` by the para
 fairseq's order). The same values, bit for bit; per-parameter masters take fairseq's path when a
 parameter or its master has no gradient (the first update, an expert no token reached). fairseq's
 ``zero_grad`` zeroes per-parameter masters' gradients one ``zero_`` each, at the start of every update
-(about 400 launches for a 24-layer model); here one ``torch._foreach_zero_``.
+(a launch per parameter); here one ``torch._foreach_zero_``.
 """
 
 from __future__ import annotations
