@@ -14,6 +14,7 @@ from fairseq.optim import FP16Optimizer
 from tests.helpers.cli_utils import USER_DIR
 from tests.workers.dist_harness import sample_of
 from torchscale_fairseq.integration.trainer import TsTrainer
+from torchscale_fairseq.optim.adamw import TorchAdamW
 from torchscale_fairseq.optim.flat_master import ForeachFP16Optimizer
 
 
@@ -74,23 +75,36 @@ def fairseq_optim_fp16():
     return optim.FP16Optimizer
 
 
+class Ops:
+    """The aten ops dispatched inside the block (``names``)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names = self.names = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("backward", [True, False])
 @pytest.mark.parametrize("missing", ["none", "one", "all"])
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--fp16-no-flatten-grads"], ["--fp16"]])
-def test_zero_grad_leaves_what_fairseqs_leaves_with_one_fill(lm_data, precision, missing):
-    """After an update: the 16-bit gradients gone, every master gradient zero (one without a gradient, or all,
-    left without), nothing to sync and fp16's multiply factor reset, as fairseq's own ``zero_grad`` on the same
-    optimizer leaves them; per-parameter masters are zeroed by one ``_foreach_zero_``, not one ``zero_`` each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+def test_after_zero_grad_the_update_reads_what_fairseqs_leaves_with_no_fill(lm_data, precision, missing, backward):
+    """After ``zero_grad`` (ours, fairseq's own on the same optimizer), an update that syncs the masters reads the
+    same master gradients: the 16-bit ones copied (``backward``, one parameter without a gradient) or, with no
+    backward since, zeros; masters left without a gradient stay without. Ours fills nothing where the copy comes,
+    and zeroes per-parameter masters by one ``_foreach_zero_`` where it does not. fp16's multiply factor restarts
+    at ``1 / loss_scale`` in both; without a scaler (``--bf16``) ours restarts it at 1, where fairseq's keeps it."""
     t = trainer(lm_data, *precision)
     opt = t.optimizer
     masters = list(opt.fp32_params.values()) if opt.has_flat_params else list(opt.fp32_params)
@@ -102,18 +116,55 @@ def test_zero_grad_leaves_what_fairseqs_leaves_with_one_fill(lm_data, precision,
         assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in masters)
         for m in without:
             m.grad = None
-        with Ops() as ops:
+        with Ops() as zeroing:
             zero_grad(opt)
-        states.append(([p.grad for p in opt.fp16_params], [m.grad for m in masters], opt._needs_sync,
-                       opt._multiply_factor, ops.names))
+        factor = opt._multiply_factor
+        assert [p.grad for p in opt.fp16_params] == [None] * len(opt.fp16_params) and not opt._needs_sync
+        if backward:
+            g = torch.Generator().manual_seed(1)
+            for p in opt.fp16_params:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.fp16_params[2].grad = None
+            opt._needs_sync = True
+        with Ops() as syncing:
+            opt._sync_fp16_grads_to_fp32()
+        states.append(([None if m.grad is None else m.grad.clone() for m in masters], factor,
+                       zeroing.names + syncing.names))
         for m in without:  # the next update's sync gives them gradients again
             m.grad = torch.zeros_like(m)
-    (ours, ours_masters, ours_sync, ours_factor, ours_ops), (stock, stock_masters, *stock_rest, stock_ops) = states
-    assert ours == stock == [None] * len(opt.fp16_params)
-    left_without = [any(m is w for w in without) for m in masters]
-    assert [m is None for m in ours_masters] == [m is None for m in stock_masters] == left_without
-    assert all(torch.equal(a, b) and not a.any() for a, b in zip(ours_masters, stock_masters) if a is not None)
-    assert [ours_sync, ours_factor] == stock_rest
-    if not opt.has_flat_params:
-        assert stock_ops.count("zero_") == len(masters) - len(without)
+    (ours, ours_factor, ours_ops), (stock, stock_factor, stock_ops) = states
+    if backward:
+        left_without = [False] * len(masters)  # the copy gives every master a gradient (zeros where none)
+    else:
+        left_without = [any(m is w for w in without) for m in masters]
+    assert [m is None for m in ours] == [m is None for m in stock] == left_without
+    assert all(torch.equal(a, b) for a, b in zip(ours, stock) if a is not None)
+    assert any(a is not None and a.any() for a in ours) == backward
+    assert ours_factor == (stock_factor if opt.scaler is not None else 1.0)
+    if backward:  # the copy overwrites every master: nothing filled
+        assert not {"zero_", "_foreach_zero_", "fill_"} & set(ours_ops), ours_ops
+    elif not opt.has_flat_params:
         assert ours_ops.count("_foreach_zero_") == (missing != "all") and "zero_" not in ours_ops
+
+
+@pytest.mark.parametrize("extra", [[], ["--clip-norm", "1e-4"], ["--ts-sync-free-step"]])
+def test_the_pending_multiply_as_the_fused_steps_scale_equals_its_own_pass(lm_data, extra, monkeypatch):
+    """``--bf16 --optimizer ts_adamw`` (fused): five updates that hand fairseq's pending gradient multiply
+    (``1 / tokens``; with ``--clip-norm`` a device tensor) to the fused step as ``scale`` leave the fp32 masters that
+    fairseq's own multiply pass leaves, to fp32 rounding (``g / scale`` against ``g * (1 / scale)``). Fails if the
+    multiply carried over from one update into the next, as under fairseq's bf16 wrapper with such a step."""
+    samples = [sample_of(torch.randint(4, 30, (4, 17), generator=torch.Generator().manual_seed(k))) for k in range(5)]
+    masters = {}
+    for scaled in (True, False):
+        if not scaled:
+            monkeypatch.setattr(TorchAdamW, "supports_step_with_scale", property(lambda self: False))
+        torch.manual_seed(0)
+        t = trainer(lm_data, "--bf16", "--optimizer", "ts_adamw", *extra)
+        assert t.optimizer.supports_step_with_scale == scaled
+        for sample in samples:
+            t.train_step([sample])
+        masters[scaled] = [m.detach().clone() for m in t.optimizer.fp32_params]
+    moved = max((a - b).abs().max().item() for a, b in zip(masters[True], trainer(lm_data, "--bf16").optimizer.fp32_params))
+    assert moved > 1e-3  # the updates did move the masters
+    for got, want in zip(masters[True], masters[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

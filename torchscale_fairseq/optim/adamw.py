@@ -31,7 +31,11 @@ tensor, ``--fp16-no-flatten-grads`` and ``--bf16``: one per parameter), with fp3
 (fp32 moments), keeps the moments in bfloat16: torch keeps the state in the parameters'
 dtype; the fused kernel computes in fp32 and rounds parameters and moments to bfloat16
 (foreach and for-loop compute in bfloat16). Checkpoints hold them as fp32 (fairseq's
-``move_to_cpu`` upcasts 16-bit tensors) and loading casts them back, exactly.
+``move_to_cpu`` upcasts 16-bit tensors) and loading casts them back, exactly. Fused, the wrappers'
+pending gradient multiply (``1 / tokens``, clipping, the loss scale) is the kernel's ``grad_scale``
+(fairseq's ``supports_step_with_scale``): it reads ``g / scale``, where the other implementations
+get gradients multiplied by ``1 / scale`` in a pass of their own (a read and a write of every fp32
+gradient; the kernel writes ``g / scale`` back, one write).
 ``--memory-efficient-fp16`` is refused: float16 moments underflow (``(1 - beta2) g^2`` is 0
 for |g| below about 5e-3 at beta2 = 0.999) and the updates blow up.
 
@@ -43,7 +47,7 @@ owns are skipped by torch's AdamW as by ``adam``). ``average_params`` (BMUF) is 
 # no "from __future__ import annotations": fairseq reads the config's field types
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -87,6 +91,28 @@ class TorchAdamW(torch.optim.AdamW):
         impl = {key: self.defaults[key] for key in ("fused", "foreach")}
         groups = [{**group, **impl} for group in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
+
+    @property
+    def supports_step_with_scale(self) -> bool:
+        """Fused: fairseq's fp16/bf16 wrappers hand the gradients' pending multiply to :meth:`step` as ``scale``
+        rather than running it as a pass of its own over the fp32 gradients."""
+        return bool(self.defaults["fused"])
+
+    def step(self, closure: Optional[Callable] = None, scale: Union[float, torch.Tensor] = 1.0) -> Any:
+        """One update with every gradient read as ``g / scale`` (torch's ``grad_scale``: the fused kernel divides
+        in fp32 and writes ``g / scale`` back to the gradient), as fairseq's ``FP16Optimizer`` passes it."""
+        if not torch.is_tensor(scale) and scale == 1.0:
+            return super().step(closure)
+        if not self.supports_step_with_scale:
+            raise ValueError(f"{type(self).__name__}.step(scale=...) needs the fused implementation (this one is "
+                             f"{'foreach' if self.defaults['foreach'] else 'for-loop'}): multiply the gradients instead")
+        device = self.param_groups[0]["params"][0].device
+        self.grad_scale = (scale.detach().to(device=device, dtype=torch.float32).reshape(1) if torch.is_tensor(scale)
+                           else torch.full((1,), float(scale), dtype=torch.float32, device=device))
+        try:
+            return super().step(closure)
+        finally:
+            self.grad_scale = None
 
 
 def choose_impl(requested: Optional[str], params: Iterable[torch.Tensor]) -> Tuple[str, str]:
