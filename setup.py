@@ -20,7 +20,9 @@ setup(
         "sacrebleu",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist>=3", "ruff", "torchao==0.17.0"],  # torchao: --fp8 (emulated on the CPU)
+        # torchao: --fp8 (emulated on the CPU); triton: --ts-fused-master-step's kernel in Triton's interpreter
+        # (CUDA builds of torch bring their own triton)
+        "test": ["pytest", "pytest-xdist>=3", "ruff", "torchao==0.17.0", "triton>=3.6"],
         "plots": ["matplotlib"],
         "export": ["transformers>=5.0.0", "safetensors>=0.8", "tokenizers"],
     },

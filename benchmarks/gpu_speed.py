@@ -1,7 +1,8 @@
 """Issue 43's speed table on one GPU, in one call: MFU of ``ts_lm_large`` (16 x 2048 tokens per
 update) and a 1.3B model (8 x 2048) as users train them (sequence 2048, GPT-2's 50,257-token
 vocabulary, bf16), the plugin's fast path ("fast": ``--ts-fused-cross-entropy --ts-compile --optimizer
-ts_adamw --ts-sync-free-step``), the fast path with ``--ts-cuda-graphs`` (metrics ``*_cuda_graphs``) and, for
+ts_adamw --ts-sync-free-step``, and ``--ts-fused-master-step`` where its kernel passes its GPU check first),
+the fast path with ``--ts-cuda-graphs`` (metrics ``*_cuda_graphs``) and, for
 ``ts_lm_large``, its default path ("baseline"), tokens/s of the fast path against stock fairseq
 ``transformer_lm`` of the same size on the same data, a profile of one update of every run (``train_profile.py``: where the time
 goes), and the micro-benchmarks that choose the next changes (the host's cost per launch, SDPA kernels,
@@ -56,6 +57,9 @@ CONFIGS = {  # name: (layers width heads FFN, sequences per update)
     "1p3b": ("24 2048 16 8192", 8),
 }
 FAST = ["--ts-fused-cross-entropy", "--ts-compile", "--optimizer", "ts_adamw", "--ts-sync-free-step"]
+FUSED_MASTER_STEP = "--ts-fused-master-step"  # joins the fast path on a GPU where its kernel passes its check
+MASTER_STEP_CHECK = ("tests/gpu/test_cuda_fused_master_step.py::"
+                     "test_fused_master_step_on_cuda_equals_torchs_fused_adamw_on_the_copies")
 GRAPHS = "_cuda_graphs"  # the fast path with --ts-cuda-graphs: run name and metric suffix
 TARGETS = {"mfu_datasheet_ts_lm_large": 0.45, "mfu_datasheet_1p3b": 0.52, "tokens_per_s_vs_stock": 1.5,
            "fp8_gain_1p3b": 1.2}
@@ -241,7 +245,9 @@ def main(argv=None) -> int:
         summary["output_gemm_ms"] = output_gemm_widths(8 * SEQ, 1024, [vocab_padded, -(-vocab_padded // 128) * 128],
                                                        device)
         print(json.dumps({k: summary[k] for k in ("host_us", "sdpa_ms", "output_gemm_ms")}), flush=True)
-    plan = run_plan(configs, device)
+    why_not = fused_master_step_unchecked(device)
+    print(f"{FUSED_MASTER_STEP}: {'in the fast path' if why_not is None else f'not used ({why_not})'}", flush=True)
+    plan = run_plan(configs, device, FAST + ([FUSED_MASTER_STEP] if why_not is None else []))
     for name, cname, flags, batch, metric_suffix in plan:
         if args.only and name not in args.only:
             continue
@@ -263,17 +269,34 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int, str | None]]:
-    """(run name, config, fairseq-train flags, sequences per update, metric suffix or None), in the order a
-    call cut by its time limit loses least: the fast path and stock, the fast path with CUDA graphs (the
-    fastest so far: the MFU targets), FP8 tensorwise (``fp8_gain_1p3b``), then what the issue's target table does
-    not name: the default path of ``ts_lm_large`` ("base") and FP8 rowwise."""
+def fused_master_step_unchecked(device: str) -> str | None:
+    """Why the fast path runs without ``--ts-fused-master-step``, or None: its kernel against torch's fused
+    AdamW on the device (the GPU test ``MASTER_STEP_CHECK``) first, in a process of its own, so a kernel that
+    fails costs that check and not the runs."""
+    if device != "cuda":
+        return "it runs on a CUDA device"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu", MASTER_STEP_CHECK]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return "its GPU check ran past 240 s"
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
+        return f"its GPU check failed: {tail[0]}"
+    return None
+
+
+def run_plan(configs: dict, device: str, fast: list[str] = FAST) -> list[tuple[str, str, list[str], int, str | None]]:
+    """(run name, config, fairseq-train flags, sequences per update, metric suffix or None; ``fast``: the fast
+    path's flags), in the order a call cut by its time limit loses least: the fast path and stock, the fast path
+    with CUDA graphs (the fastest so far: the MFU targets), FP8 tensorwise (``fp8_gain_1p3b``), then what the
+    issue's target table does not name: the default path of ``ts_lm_large`` ("base") and FP8 rowwise."""
     order = {"fast": 0, "stock": 0, "graphs": 1, "fp8 tensorwise": 2, "base": 3, "fp8 rowwise": 4}
     plan = []
     for cname, (dims, batch) in configs.items():
         arch = ["--user-dir", str(USER_DIR), "--arch", "ts_lm_large", *decoder_dim_flags(dims), "--backbone", "magneto"]
         short = "large" if cname == "ts_lm_large" else cname
-        plan.append(("fast", (f"{short}_fast", cname, arch + FAST, batch, "")))
+        plan.append(("fast", (f"{short}_fast", cname, arch + fast, batch, "")))
         if cname in ("ts_lm_large", "toy"):
             width = dims.split()[1]  # transformer_lm's input/output dims default to 512 whatever the width
             # the plugin's trainer: stock fairseq's --bf16 runs on TPUs only; model and loss are stock fairseq's
@@ -284,11 +307,11 @@ def run_plan(configs: dict, device: str) -> list[tuple[str, str, list[str], int,
             why_not = fp8_unavailable(device)
             for name, recipe in FP8_RUNS.items():
                 if why_not is None:
-                    plan.append((f"fp8 {recipe}", (name, cname, arch + FAST + ["--fp8", recipe], batch, None)))
+                    plan.append((f"fp8 {recipe}", (name, cname, arch + fast + ["--fp8", recipe], batch, None)))
                 else:
                     print(f"not run: {name} ({why_not})", flush=True)
         if device == "cuda":
-            plan.append(("graphs", (f"{short}_fast{GRAPHS}", cname, arch + FAST + ["--ts-cuda-graphs"], batch, GRAPHS)))
+            plan.append(("graphs", (f"{short}_fast{GRAPHS}", cname, arch + fast + ["--ts-cuda-graphs"], batch, GRAPHS)))
         if cname != "1p3b":  # the 1.3B model's default path: measured twice on 2026-11-28
             plan.append(("base", (f"{short}_base", cname, arch + ["--optimizer", "adam"], batch, "_baseline")))
     return [run for _, run in sorted(plan, key=lambda kind_run: order[kind_run[0]])]  # stable: configs in order

@@ -72,3 +72,22 @@ def test_the_runs_a_target_reads_come_before_those_none_reads(monkeypatch):
                      "1p3b_fp8", "large_base", "1p3b_fp8rw"]
     assert [run[0] for run in gpu_speed.run_plan(gpu_speed.CONFIGS, "cpu")] == [
         "large_fast", "stock", "1p3b_fast", "1p3b_fp8", "large_base", "1p3b_fp8rw"]
+
+
+def test_the_fused_master_step_joins_the_fast_runs_only(monkeypatch):
+    """The fast path's flags (with ``--ts-fused-master-step`` once its GPU check passed) reach the fast, graphed and
+    FP8 runs, not the default path nor stock fairseq; on the CPU the check is not run and says why."""
+    monkeypatch.setattr(gpu_speed, "fp8_unavailable", lambda device: None)
+    fast = gpu_speed.FAST + [gpu_speed.FUSED_MASTER_STEP]
+    flags = {name: args for name, _, args, _, _ in gpu_speed.run_plan(gpu_speed.CONFIGS, "cuda", fast)}
+    with_it = {name for name, args in flags.items() if gpu_speed.FUSED_MASTER_STEP in args}
+    assert with_it == {"large_fast", "1p3b_fast", "large_fast_cuda_graphs", "1p3b_fast_cuda_graphs", "1p3b_fp8",
+                       "1p3b_fp8rw"}
+    assert gpu_speed.FUSED_MASTER_STEP not in gpu_speed.FAST  # the plan's own copy, the module's list unchanged
+    assert gpu_speed.fused_master_step_unchecked("cpu") == "it runs on a CUDA device"
+
+
+def test_the_fused_master_step_check_names_a_gpu_test():
+    path, name = gpu_speed.MASTER_STEP_CHECK.split("::")
+    source = (Path(gpu_speed.REPO) / path).read_text()
+    assert f"def {name}(" in source and "pytestmark = pytest.mark.gpu" in source

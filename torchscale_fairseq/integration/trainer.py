@@ -116,6 +116,7 @@ from torchscale_fairseq.optim.fully_sharded import (
     shard_model,
 )
 from torchscale_fairseq.optim.grad_norm import FLAT_MASTER_SOURCES
+from torchscale_fairseq.optim.master_adamw import check_fused_master_step
 from torchscale_fairseq.optim.sparse_clip import SparseClip, check_foreign_flags
 from torchscale_fairseq.optim.zero import check_zero_sharding, shard_optimizer_state
 
@@ -232,6 +233,9 @@ class TsTrainer(ScheduledTrainer):
         self.sync_free = bool(getattr(cfg.model, "ts_sync_free_step", False))
         if self.sync_free:
             check_sync_free_step(cfg)
+        self.fused_master_step = bool(getattr(cfg.model, "ts_fused_master_step", False))
+        if self.fused_master_step:
+            check_fused_master_step(cfg, torch.cuda.is_available() and not cfg.common.cpu)
         if getattr(cfg.model, "ts_cuda_graphs", False):
             cuda = torch.cuda.is_available() and not cfg.common.cpu
             check_cuda_graphs(cfg, self.parallel.world_size, torch.cuda.get_device_capability() if cuda else None)
@@ -360,6 +364,8 @@ class TsTrainer(ScheduledTrainer):
             self._optimizer.optimizer.register_load_state_dict_post_hook(shard_loaded_optimizer_state)
         if self.sync_free:
             self.device_skips = DeviceSkips(fused_adam(_inner_optimizer(self._optimizer)))
+        if self.fused_master_step:
+            self._optimizer.use_master_adamw(self.parallel)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         # fairseq calls this once per update, after the data-parallel all-reduce
@@ -497,7 +503,7 @@ class TsTrainer(ScheduledTrainer):
         logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {reason}")
         if hasattr(self, "param_names") and hasattr(self.optimizer, "fp32_optimizer"):
             for p, name in zip(self.optimizer.fp32_optimizer.params, self.param_names):
-                if not bool(torch.isfinite(p.grad).all()):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):  # --ts-fused-master-step: none
                     logger.info(f"overflow in param {name}")
         self.zero_grad()
         if self.cfg.common.fp16 or self.cfg.common.amp:

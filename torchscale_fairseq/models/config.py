@@ -170,6 +170,12 @@ class TsCommonConfig(TsMoEConfig):
                           "--max-skipped-updates are checked every --log-interval updates (--optimizer ts_adamw "
                           "with its fused kernel; fp32 or --bf16)"},
     )
+    ts_fused_master_step: bool = field(
+        default=False,
+        metadata={"help": "--bf16 with --optimizer ts_adamw: each update's fp32 masters, AdamW moments and bf16 "
+                          "parameters in one Triton kernel that reads the bf16 gradients once (no fp32 gradients; "
+                          "CUDA)"},
+    )
 
 
 @dataclass

@@ -22,18 +22,80 @@ loss scaler; where the fp32 optimizer takes it as ``step(scale=...)`` (``support
 nothing resets it under ``--bf16``, and each update's factor would multiply into the next one's
 (fairseq 0.12.3, ``_FP16OptimizerMixin.zero_grad``). Here it restarts at 1 without a scaler, as
 fairseq's memory-efficient wrapper does.
+
+``--ts-fused-master-step`` (:meth:`ForeachFP16Optimizer.use_master_adamw`, per-parameter masters) replaces the
+copy in, the fused AdamW step and the copy back by one kernel
+(:class:`~torchscale_fairseq.optim.master_adamw.MasterAdamW`) once torch's AdamW has made its state (its
+first step runs the path above); the gradient norm is then taken over the 16-bit gradients, of which the
+fp32 ones would be exact copies, and the masters keep no gradients.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 from fairseq.optim import FP16Optimizer
 
+from torchscale_fairseq.errors import TsConfigError
+from torchscale_fairseq.model_parallel.parallel_context import ParallelContext
+from torchscale_fairseq.optim.grad_norm import norm_and_clip_
+from torchscale_fairseq.optim.master_adamw import FLAG, MasterAdamW
+
+logger = logging.getLogger(__name__)
+
 
 class ForeachFP16Optimizer(FP16Optimizer):
     """:class:`fairseq.optim.FP16Optimizer` with multi-tensor copies of the flat master (module docstring)."""
+
+    master_adamw: MasterAdamW | None = None
+    _norm_parallel: ParallelContext | None = None
+
+    def use_master_adamw(self, parallel: ParallelContext | None) -> None:
+        """``--ts-fused-master-step``: update the per-parameter masters by one kernel; the gradient norm over
+        ``parallel``'s groups (``None``: one process)."""
+        if self.has_flat_params:
+            raise TsConfigError(f"{FLAG} steps per-parameter masters (--bf16), and this run's master is flat: drop it")
+        self.master_adamw, self._norm_parallel = MasterAdamW(self.fp32_optimizer.optimizer), parallel
+
+    def _fused_update(self) -> bool:
+        return self.master_adamw is not None and self.master_adamw.ready(self.fp32_params)
+
+    def clip_grad_norm(self, max_norm: float, aggregate_norm_fn: Callable | None = None) -> torch.Tensor:
+        """fairseq's (its branch without a loss scaler), the norm of the 16-bit gradients where one kernel
+        makes the update."""
+        if not self._fused_update() or self.scaler is not None:
+            return super().clip_grad_norm(max_norm, aggregate_norm_fn)
+        with_grad = [p for p in self.fp16_params if p.grad is not None]
+        norm = (norm_and_clip_(with_grad, 0.0, self._norm_parallel, 1.0, aggregate_norm_fn)[1] if with_grad
+                else torch.zeros((), device=self.fp16_params[0].device))
+        grad_norm = self._multiply_factor * norm
+        if torch.is_tensor(self._multiply_factor):
+            self._multiply_factor = self._multiply_factor.to(grad_norm.device)
+        if max_norm > 0.0:
+            self._multiply_factor *= (max_norm / (grad_norm + 1e-6)).clamp_(max=1)
+        return grad_norm
+
+    def step(self, closure: Callable | None = None, groups: Any = None) -> None:
+        """fairseq's, or one kernel (``--ts-fused-master-step``, once torch's AdamW has its state). A kernel that
+        fails to build on its first launch is logged once and the path above runs from then on."""
+        if not self._fused_update() or closure is not None or groups is not None:
+            return super().step(closure, groups)
+        try:
+            self.master_adamw.step(self.fp16_params, self.fp32_params, 1.0 / self._multiply_factor)
+        except Exception as error:  # a kernel that did not build: the reference path runs
+            if self.master_adamw.launched:
+                raise
+            logger.warning(f"{FLAG}: the Triton kernel did not build ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}); fairseq's copies and torch's fused "
+                           "AdamW update the masters instead")
+            self.master_adamw = None
+            return super().step(closure, groups)
+        for p32 in self.fp32_params:  # the kernel forms no fp32 gradients: free what the first update made
+            p32.grad = None
+        self._multiply_factor, self._needs_sync = 1.0, False
 
     def _params_by_device(self) -> dict:
         """The 16-bit parameters of each master, in the master's order (fairseq's grouping)."""
